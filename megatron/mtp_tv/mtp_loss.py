@@ -1,0 +1,198 @@
+"""Megatron glue: the TV losses behind Megatron's ``process_mtp_loss``.
+
+:func:`process_mtp_loss` has the signature of
+``megatron.core.transformer.multi_token_prediction.process_mtp_loss`` (megatron-core 0.19.2) and
+dispatches on ``config.mtp_loss_type``: ``'ce'`` calls Megatron's own function untouched, ``'tv'``
+and ``'e2e_tv'`` run :func:`process_mtp_tv_loss`. Everything around the loss stays Megatron's:
+labels and loss mask are rolled with Megatron's ``roll_tensor`` (so masks, packed-sequence and
+context-parallel boundaries and ``num_tokens`` are exactly those of the CE path), the
+normalisation, ``calculate_per_token_loss``, ``MTPLossAutoScaler`` and the tracker.
+"""
+
+import os
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+from megatron.core.transformer import multi_token_prediction as _mtp
+
+from .alignment import target_segments
+from .linear_tv import linear_tv_loss
+from .metrics import save_acceptance_to_tracker
+from .vocab_parallel import group_size
+
+#: Set to 0 to recompute each chunk in backward instead of computing gradients during forward
+#: (slower, same numbers; for debugging).
+FUSED_ENV = 'MEGATRON_MTP_TV_FUSED'
+
+_megatron_process_mtp_loss = _mtp.process_mtp_loss
+
+
+def process_mtp_loss(
+    hidden_states: Tensor,
+    labels: Tensor,
+    loss_mask: Optional[Tensor],
+    output_layer: Callable,
+    output_weight: Optional[Tensor],
+    runtime_gather_output: Optional[bool],
+    is_training: bool,
+    compute_language_model_loss: Callable,
+    config,
+    cp_group=None,
+    tp_group=None,
+    packed_seq_params=None,
+    scale_logits_fn: Optional[Callable[[Tensor], Tensor]] = None,
+    input_ids: Optional[Tensor] = None,
+) -> Tensor:
+    """Drop-in replacement for Megatron's ``process_mtp_loss`` that adds the TV losses.
+
+    Args and return value: as Megatron's ``process_mtp_loss``; ``hidden_states`` is
+    ``[(1+D)*s, b, h]`` (``s`` divided by TP under sequence parallelism), the result the main
+    decoder's chunk ``[s, b, h]`` carrying the MTP loss for backward.
+    """
+    kwargs = dict(
+        hidden_states=hidden_states, labels=labels, loss_mask=loss_mask,
+        output_layer=output_layer, output_weight=output_weight,
+        runtime_gather_output=runtime_gather_output, is_training=is_training,
+        compute_language_model_loss=compute_language_model_loss, config=config,
+        cp_group=cp_group, tp_group=tp_group, packed_seq_params=packed_seq_params,
+        scale_logits_fn=scale_logits_fn, input_ids=input_ids,
+    )
+    if getattr(config, 'mtp_loss_type', 'ce') == 'ce':
+        out = _megatron_process_mtp_loss(**kwargs)
+        if getattr(config, 'mtp_log_acceptance', False) and is_training:
+            with torch.no_grad():
+                process_mtp_tv_loss(**kwargs, metrics_only=True)
+        return out
+    return process_mtp_tv_loss(**kwargs)
+
+
+def process_mtp_tv_loss(
+    hidden_states: Tensor,
+    labels: Tensor,
+    loss_mask: Optional[Tensor],
+    output_layer: Callable,
+    output_weight: Optional[Tensor],
+    runtime_gather_output: Optional[bool],
+    is_training: bool,
+    compute_language_model_loss: Callable,
+    config,
+    cp_group=None,
+    tp_group=None,
+    packed_seq_params=None,
+    scale_logits_fn: Optional[Callable[[Tensor], Tensor]] = None,
+    input_ids: Optional[Tensor] = None,
+    metrics_only: bool = False,
+) -> Tensor:
+    """The ``'tv'`` / ``'e2e_tv'`` MTP loss (see :mod:`megatron.mtp_tv.linear_tv`).
+
+    ``metrics_only`` computes and logs the acceptance metrics without attaching a loss (used for
+    ``mtp_log_acceptance`` with the CE loss, under ``torch.no_grad``).
+    """
+    del compute_language_model_loss, runtime_gather_output  # the TV path never builds full logits
+    depth = config.mtp_num_layers
+    loss_type = getattr(config, 'mtp_loss_type', 'ce')
+    if loss_type == 'ce':
+        loss_type = 'tv'  # metrics only
+    hidden_states_list = torch.chunk(hidden_states, 1 + depth, dim=0)
+    main_hidden = hidden_states_list[0]
+
+    def roll(t):
+        return _mtp.roll_tensor(t, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+
+    if labels is None:
+        if input_ids is None:
+            return main_hidden
+        labels, _ = roll(input_ids)
+        loss_mask = torch.ones_like(labels) if loss_mask is None else loss_mask
+        loss_mask, _ = roll(loss_mask)
+    elif loss_mask is None:
+        loss_mask = torch.ones_like(labels)
+
+    weight = output_weight if output_weight is not None else output_layer.weight
+    if config.mtp_detach_heads:
+        weight = weight.detach()
+    if getattr(output_layer, 'bias', None) is not None:
+        raise ValueError(
+            "mtp_loss_type='tv'/'e2e_tv' supports an output layer without bias (GPTModel's); "
+            "this output layer has a bias."
+        )
+    tp_group = tp_group if tp_group is not None else getattr(output_layer, 'tp_group', None)
+    sequence_parallel = bool(getattr(output_layer, 'sequence_parallel', False))
+
+    # Per-depth rolled labels and masks, exactly as Megatron's CE path rolls them.
+    original_num_tokens = loss_mask.sum()
+    depth_labels, depth_masks, depth_num_tokens = [], [], []
+    mtp_labels = labels
+    for _ in range(depth):
+        mtp_labels, _ = roll(mtp_labels)
+        loss_mask, num_tokens = roll(loss_mask)
+        depth_labels.append(mtp_labels)
+        depth_masks.append(loss_mask)
+        depth_num_tokens.append(num_tokens)
+    masks = torch.stack(depth_masks).float()  # [D, b, s]
+
+    # Weights carry mask and normalisation: the loss is then Megatron's scale * sum(tensor).
+    if loss_type == 'tv':
+        num_tokens = torch.stack(depth_num_tokens).float().clamp(min=1)  # [D]
+        scale = config.mtp_loss_scaling_factor / depth
+        norm = scale / num_tokens
+        if config.calculate_per_token_loss:
+            norm = norm * original_num_tokens
+        token_weights = (masks * norm.view(-1, 1, 1)).transpose(1, 2)  # [D, s, b]
+    else:
+        chains = masks.prod(0)  # a chain counts only if every depth's target is valid
+        num_chains = chains.sum().clamp(min=1)
+        norm = config.mtp_loss_scaling_factor / num_chains
+        if config.calculate_per_token_loss:
+            norm = norm * original_num_tokens
+        token_weights = (chains * norm).transpose(0, 1)  # [s, b]
+
+    # Inputs in the layout the vocab-sharded projection needs, with Megatron's own TP mappings
+    # (their backward is the all-reduce / reduce-scatter a column-parallel layer would do).
+    draft = hidden_states[main_hidden.shape[0] :]  # [D*s', b, h], one block per depth
+    target = main_hidden.detach()
+    tp = group_size(tp_group)
+    if tp > 1 and sequence_parallel:
+        draft = gather_from_sequence_parallel_region(draft, True, tp_group)
+        s_local = main_hidden.shape[0]
+        draft = draft.view(tp, depth, s_local, *draft.shape[1:]).transpose(0, 1)
+        draft = draft.reshape(depth, tp * s_local, *draft.shape[3:])
+        target = gather_from_sequence_parallel_region(target, True, tp_group)
+    else:
+        if tp > 1:
+            draft = copy_to_tensor_model_parallel_region(draft, tp_group)
+        draft = draft.view(depth, main_hidden.shape[0], *draft.shape[1:])
+
+    cu_seqlens = packed_seq_params.cu_seqlens_q.tolist() if packed_seq_params is not None else None
+    result = linear_tv_loss(
+        draft,
+        target,
+        weight,
+        token_weights,
+        loss_type=loss_type,
+        chunk_size=config.mtp_tv_chunk,
+        tp_group=tp_group,
+        logits_fn=scale_logits_fn,
+        segments=target_segments(target, depth, cp_group, cu_seqlens),
+        labels=torch.stack(depth_labels).transpose(1, 2) if is_training else None,
+        fused=os.environ.get(FUSED_ENV, '1') != '0',
+    )
+
+    if is_training:
+        save_acceptance_to_tracker(
+            alpha=result.alpha,
+            masks=masks.transpose(1, 2),
+            greedy_correct=result.greedy_correct,
+            avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+            log_loss=not metrics_only,
+        )
+    if metrics_only:
+        return main_hidden
+    return _mtp.MTPLossAutoScaler.apply(main_hidden, result.loss)

@@ -1,0 +1,74 @@
+"""Softmax statistics over a vocabulary that may be sharded across a tensor-parallel group.
+
+Plain torch + torch.distributed; no Megatron imports. Every function here is a no-op
+communication-wise when ``tp_group`` is None or has one rank.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = Optional[dist.ProcessGroup]
+
+
+def group_size(group: ProcessGroup) -> int:
+    """World size of ``group`` (1 when None or when torch.distributed is not initialised)."""
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group=group)
+
+
+def group_rank(group: ProcessGroup) -> int:
+    """Rank in ``group`` (0 when None or when torch.distributed is not initialised)."""
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group=group)
+
+
+def all_reduce_sum_(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """In-place SUM all-reduce over ``group`` (identity on one rank)."""
+    if group_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def exp_normalise_(
+    logits: torch.Tensor, group: ProcessGroup
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Turn fp32 logits ``[n, V/tp]`` into the probabilities of a softmax over the full vocab.
+
+    Works in place (``logits`` becomes the probabilities). Instead of the two all-reduces
+    cross-entropy uses (MAX of the row max, then SUM of the shifted sum-exp), each rank
+    all-gathers its own ``(row max, sum exp(z - row max))`` pair and every rank combines the
+    pairs with a local log-sum-exp: one collective, same result, and no second pass of ``exp``
+    (the shifted exponentials are rescaled by ``exp(m_r - lse)``).
+
+    Args:
+        logits: ``[n, V/tp]`` fp32, overwritten with the probabilities.
+        group: the tensor-parallel group the vocabulary is sharded over (None: not sharded).
+
+    Returns:
+        ``(probs, global_max)``: ``probs`` is ``logits`` itself, ``global_max`` is ``[n]``, the
+        row maximum over the full vocabulary (used for greedy-accuracy counts).
+    """
+    local_max = logits.amax(dim=-1)
+    logits.sub_(local_max.unsqueeze(-1)).exp_()
+    local_sum = logits.sum(dim=-1)
+    world = group_size(group)
+    if world == 1:
+        logits.div_(local_sum.unsqueeze(-1))
+        return logits, local_max
+    stats = torch.stack([local_max, local_sum.log()], dim=-1)  # [n, 2]
+    gathered = stats.new_empty((world,) + stats.shape)
+    dist.all_gather_into_tensor(gathered, stats, group=group)
+    global_max = gathered[..., 0].amax(dim=0)
+    lse = torch.logsumexp(gathered[..., 0] + gathered[..., 1], dim=0)  # [n]
+    logits.mul_((local_max - lse).exp_().unsqueeze(-1))
+    return logits, global_max
+
+
+def vocab_range(local_vocab: int, group: ProcessGroup) -> Tuple[int, int]:
+    """``[start, stop)`` of this rank's vocabulary shard, as Megatron's VocabUtility splits it."""
+    start = group_rank(group) * local_vocab
+    return start, start + local_vocab
