@@ -1,9 +1,9 @@
 """Megatron glue: the TV losses behind Megatron's ``process_mtp_loss``.
 
-:func:`process_mtp_loss` has the signature of
-``megatron.core.transformer.multi_token_prediction.process_mtp_loss`` (megatron-core 0.19.2) and
-dispatches on ``config.mtp_loss_type``: ``'ce'`` calls Megatron's own function untouched, ``'tv'``
-and ``'e2e_tv'`` run :func:`process_mtp_tv_loss`. Everything around the loss stays Megatron's:
+:func:`process_mtp_tv_loss` takes the arguments of
+``megatron.core.transformer.multi_token_prediction.process_mtp_loss`` (megatron-core 0.19.2);
+Megatron's function calls it for ``mtp_loss_type`` ``'tv'`` and ``'e2e_tv'`` (the plugin wraps it,
+the patches edit it) and keeps its own code for ``'ce'``. Everything around the loss stays Megatron's:
 labels and loss mask are rolled with Megatron's ``roll_tensor`` (so masks, packed-sequence and
 context-parallel boundaries and ``num_tokens`` are exactly those of the CE path), the
 normalisation, ``calculate_per_token_loss``, ``MTPLossAutoScaler`` and the tracker.
@@ -30,47 +30,6 @@ from .vocab_parallel import group_size
 #: Set to 0 to recompute each chunk in backward instead of computing gradients during forward
 #: (slower, same numbers; for debugging).
 FUSED_ENV = 'MEGATRON_MTP_TV_FUSED'
-
-_megatron_process_mtp_loss = _mtp.process_mtp_loss
-
-
-def process_mtp_loss(
-    hidden_states: Tensor,
-    labels: Tensor,
-    loss_mask: Optional[Tensor],
-    output_layer: Callable,
-    output_weight: Optional[Tensor],
-    runtime_gather_output: Optional[bool],
-    is_training: bool,
-    compute_language_model_loss: Callable,
-    config,
-    cp_group=None,
-    tp_group=None,
-    packed_seq_params=None,
-    scale_logits_fn: Optional[Callable[[Tensor], Tensor]] = None,
-    input_ids: Optional[Tensor] = None,
-) -> Tensor:
-    """Drop-in replacement for Megatron's ``process_mtp_loss`` that adds the TV losses.
-
-    Args and return value: as Megatron's ``process_mtp_loss``; ``hidden_states`` is
-    ``[(1+D)*s, b, h]`` (``s`` divided by TP under sequence parallelism), the result the main
-    decoder's chunk ``[s, b, h]`` carrying the MTP loss for backward.
-    """
-    kwargs = dict(
-        hidden_states=hidden_states, labels=labels, loss_mask=loss_mask,
-        output_layer=output_layer, output_weight=output_weight,
-        runtime_gather_output=runtime_gather_output, is_training=is_training,
-        compute_language_model_loss=compute_language_model_loss, config=config,
-        cp_group=cp_group, tp_group=tp_group, packed_seq_params=packed_seq_params,
-        scale_logits_fn=scale_logits_fn, input_ids=input_ids,
-    )
-    if getattr(config, 'mtp_loss_type', 'ce') == 'ce':
-        out = _megatron_process_mtp_loss(**kwargs)
-        if getattr(config, 'mtp_log_acceptance', False) and is_training:
-            with torch.no_grad():
-                process_mtp_tv_loss(**kwargs, metrics_only=True)
-        return out
-    return process_mtp_tv_loss(**kwargs)
 
 
 def process_mtp_tv_loss(

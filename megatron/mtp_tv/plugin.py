@@ -16,10 +16,13 @@ Patch mode (``patches/``) makes the same changes in the source of a Megatron tre
 
 import ast
 import dataclasses
+import functools
 import importlib
 import inspect
 import threading
 from typing import Callable, Dict, List
+
+import torch
 
 from . import config as _config
 
@@ -135,14 +138,34 @@ def _validate_in_post_init(base: type) -> None:
 
 
 def _install_loss() -> None:
-    from . import mtp_loss
+    from megatron.core.transformer import multi_token_prediction
 
+    dispatcher = _with_tv_losses(multi_token_prediction.process_mtp_loss)
     for name in _MTP_LOSS_CALLERS:
         try:
             module = importlib.import_module(name)
         except ImportError:  # a model family whose optional dependencies are missing
             continue
-        module.process_mtp_loss = mtp_loss.process_mtp_loss
+        module.process_mtp_loss = dispatcher
+
+
+def _with_tv_losses(megatron_process_mtp_loss: Callable) -> Callable:
+    """Megatron's ``process_mtp_loss`` for ``'ce'``, :func:`process_mtp_tv_loss` otherwise."""
+    from .mtp_loss import process_mtp_tv_loss
+
+    @functools.wraps(megatron_process_mtp_loss)
+    def process_mtp_loss(*args, **kwargs):
+        bound = inspect.signature(megatron_process_mtp_loss).bind(*args, **kwargs).arguments
+        config = bound['config']
+        if getattr(config, 'mtp_loss_type', 'ce') != 'ce':
+            return process_mtp_tv_loss(**bound)
+        out = megatron_process_mtp_loss(*args, **kwargs)
+        if getattr(config, 'mtp_log_acceptance', False) and bound.get('is_training'):
+            with torch.no_grad():
+                process_mtp_tv_loss(**bound, metrics_only=True)
+        return out
+
+    return process_mtp_loss
 
 
 def _install_metrics_logging() -> None:
