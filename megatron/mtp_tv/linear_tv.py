@@ -241,26 +241,17 @@ def _sweep(draft_hidden, weight, target_hidden, token_weights, plan: _Plan, draf
                 hit = _label_logit(z, chunk_labels[k], vocab_start, vocab_stop) if chunk_labels is not None else None
                 # Normalised in place; keep z intact only when autograd still needs it.
                 q, global_max = exp_normalise_(z.detach().clone() if z_leaf is not None else z, plan.tp_group)
-                p_k = p[k * b : k * b + n]
-                below = q < p_k
-                # overlap, dot = sum_u q_u 1[q_u < p_u], greedy hits: one SUM all-reduce.
-                sums = torch.stack(
-                    [
-                        torch.minimum(p_k, q).sum(-1),
-                        torch.where(below, q, 0.0).sum(-1) if want_grad else q.new_zeros(n),
-                        (hit >= global_max).float() * hit.isfinite() if hit is not None else q.new_zeros(n),
-                    ]
-                )
-                all_reduce_sum_(sums, plan.tp_group)
+                overlap, dot, below = overlap_stats(p[k * b : k * b + n], q)
+                hits = (hit >= global_max).float() if hit is not None else torch.zeros_like(overlap)
+                # overlap, dot and greedy hits of this shard -> full vocabulary: one all-reduce.
+                sums = all_reduce_sum_(torch.stack([overlap, dot, hits]), plan.tp_group)
                 overlap, dot, hits = sums
                 chunk_alpha.append(overlap)
                 alpha[k, rows] = overlap.view(stop - start, b)
                 if chunk_labels is not None:
                     correct[k, rows] = (hits > 0).view(stop - start, b)
                 if want_grad:
-                    # d(1 - alpha)/dz = q * (dot - 1[q < p]), built in q's memory.
-                    q.mul_(below.float().neg_().add_(dot.unsqueeze(-1)))
-                    logit_grads.append((x, q, z_leaf, z))
+                    logit_grads.append((x, tv_logit_grad_(q, below, dot), z_leaf, z))
                 del below
 
             coef, chunk_loss = _objective(torch.stack(chunk_alpha), token_weights, rows, plan.loss_type, b)
@@ -279,6 +270,30 @@ def _sweep(draft_hidden, weight, target_hidden, token_weights, plan: _Plan, draf
                     _accumulate_weight_grad(grad_weight, g, x)
             del logit_grads, p
     return _SweepOutput(loss, alpha, correct, grad_draft, grad_weight)
+
+
+def overlap_stats(p: torch.Tensor, q: torch.Tensor):
+    """This shard's part of ``alpha = sum_v min(p, q)`` and of ``dot = sum_v q_v 1[q_v < p_v]``.
+
+    Args:
+        p: ``[n, V/tp]`` target probabilities. q: ``[n, V/tp]`` draft probabilities.
+
+    Returns:
+        ``(overlap [n], dot [n], below [n, V/tp] bool)`` with ``below = q < p`` (strict: at a tie
+        the minimum is taken as the detached ``p``, so the tied entry passes no gradient).
+    """
+    below = q < p
+    return torch.minimum(p, q).sum(-1), torch.where(below, q, 0.0).sum(-1), below
+
+
+def tv_logit_grad_(q: torch.Tensor, below: torch.Tensor, dot: torch.Tensor) -> torch.Tensor:
+    """``d(1 - alpha)/dz = q * (dot - 1[q < p])``, written into ``q`` (its memory is reused).
+
+    Args:
+        q: ``[n, V/tp]`` draft probabilities (overwritten). below: ``[n, V/tp]`` ``q < p``.
+        dot: ``[n]`` full-vocabulary ``sum_u q_u 1[q_u < p_u]`` (all-reduced over TP).
+    """
+    return q.mul_(below.to(q.dtype).neg_().add_(dot.unsqueeze(-1)))
 
 
 def _objective(alpha: torch.Tensor, token_weights, rows: slice, loss_type: str, b: int):
