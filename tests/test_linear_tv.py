@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from megatron.mtp_tv.linear_tv import linear_tv_loss, overlap_stats, tv_logit_grad_
+from megatron.mtp_tv.linear_tv import linear_tv_loss
+from megatron.mtp_tv.row_ops import TorchRowOps
 from tests.reference import depth_alphas, e2e_objective, tv_objective
 
 S, B, H, V = 7, 2, 8, 13
@@ -81,10 +82,11 @@ def test_tie_convention_passes_no_gradient_through_tied_entries():
     # Exact binary fractions: entry 0 has q < p, entry 1 ties, entry 2 has q > p.
     p = torch.tensor([[0.5, 0.25, 0.25]])
     q = torch.tensor([[0.25, 0.25, 0.5]])
-    overlap, dot, below = overlap_stats(p, q)
+    draft = [q.clone(), None]
+    overlap, dot = TorchRowOps.overlap(p, 0, draft)
     assert overlap.item() == 0.75 and dot.item() == 0.25
-    assert below.tolist() == [[True, False, False]]
-    grad = tv_logit_grad_(q.clone(), below, dot)
+    assert draft[1].tolist() == [[True, False, False]]
+    grad = TorchRowOps.grad_(p, 0, draft, dot, torch.ones(1))
     # q * (dot - 1[q < p]); torch.minimum's 1/2 convention would give [-0.15625, -0.03125, 0.1875].
     assert grad.tolist() == [[-0.1875, 0.0625, 0.125]]
 

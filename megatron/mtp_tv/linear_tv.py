@@ -42,7 +42,8 @@ from typing import Callable, List, Literal, NamedTuple, Optional, Sequence
 
 import torch
 
-from .vocab_parallel import ProcessGroup, all_reduce_sum_, exp_normalise_, vocab_range
+from .row_ops import select_row_ops
+from .vocab_parallel import ProcessGroup, all_reduce_sum_, vocab_range
 
 TVLossType = Literal['tv', 'e2e_tv']
 
@@ -222,6 +223,7 @@ def _sweep(draft_hidden, weight, target_hidden, token_weights, plan: _Plan, draf
     labels = plan.labels
     vocab_start, vocab_stop = vocab_range(weight.shape[0], plan.tp_group)
 
+    ops = None
     for seg in plan.segments:
         for start in range(seg.start, seg.stop, plan.positions_per_chunk):
             stop = min(start + plan.positions_per_chunk, seg.stop)
@@ -229,37 +231,38 @@ def _sweep(draft_hidden, weight, target_hidden, token_weights, plan: _Plan, draf
             n = (stop - start) * b
             # Target rows t+1 .. t+chunk+G-1, projected once and shared by every depth.
             target_rows = _virtual_rows(target_hidden, seg, start + 1, stop + G).reshape(-1, h)
-            p, _ = exp_normalise_(_logits(target_rows, weight, plan.logits_fn), plan.tp_group)
+            zt = _logits(target_rows, weight, plan.logits_fn)
+            if ops is None:
+                ops, _ = select_row_ops(zt)
+            target = ops.target(zt, plan.tp_group)
 
             chunk_labels = labels[:, rows].reshape(G, n) if labels is not None else None
-            logit_grads: List[torch.Tensor] = []
+            pending = []  # per depth: what the gradient step needs once coef is known
             chunk_alpha = []
             for k in range(G):
                 x = draft_hidden[k, rows].reshape(n, h)
                 z_linear = _linear(x, weight)
                 z_leaf, z = _apply_logits_fn(z_linear, plan.logits_fn, want_grad)
                 hit = _label_logit(z, chunk_labels[k], vocab_start, vocab_stop) if chunk_labels is not None else None
-                # Normalised in place; keep z intact only when autograd still needs it.
-                q, global_max = exp_normalise_(z.detach().clone() if z_leaf is not None else z, plan.tp_group)
-                overlap, dot, below = overlap_stats(p[k * b : k * b + n], q)
+                # The row ops overwrite their input; keep z intact only when autograd needs it.
+                draft, global_max = ops.draft(z.detach().clone() if z_leaf is not None else z, plan.tp_group)
+                overlap, dot = ops.overlap(target, k * b, draft)
                 hits = (hit >= global_max).float() if hit is not None else torch.zeros_like(overlap)
                 # overlap, dot and greedy hits of this shard -> full vocabulary: one all-reduce.
-                sums = all_reduce_sum_(torch.stack([overlap, dot, hits]), plan.tp_group)
-                overlap, dot, hits = sums
+                overlap, dot, hits = all_reduce_sum_(torch.stack([overlap, dot, hits]), plan.tp_group)
                 chunk_alpha.append(overlap)
                 alpha[k, rows] = overlap.view(stop - start, b)
                 if chunk_labels is not None:
                     correct[k, rows] = (hits > 0).view(stop - start, b)
                 if want_grad:
-                    logit_grads.append((x, tv_logit_grad_(q, below, dot), z_leaf, z))
-                del below
+                    pending.append((x, draft, dot, z_leaf, z))
+                else:
+                    del draft
 
             coef, chunk_loss = _objective(torch.stack(chunk_alpha), token_weights, rows, plan.loss_type, b)
             loss += chunk_loss
-            if not want_grad:
-                continue
-            for k, (x, g, z_leaf, z) in enumerate(logit_grads):
-                g.mul_(coef[k].unsqueeze(-1))
+            for k, (x, draft, dot, z_leaf, z) in enumerate(pending):
+                g = ops.grad_(target, k * b, draft, dot, coef[k])
                 if z_leaf is not None:  # chain rule through the logit scaling function
                     with torch.enable_grad():
                         (g,) = torch.autograd.grad(z, z_leaf, g)
@@ -268,32 +271,8 @@ def _sweep(draft_hidden, weight, target_hidden, token_weights, plan: _Plan, draf
                     grad_draft[k, rows] = (g @ weight).view(stop - start, b, h)
                 if grad_weight is not None:
                     _accumulate_weight_grad(grad_weight, g, x)
-            del logit_grads, p
+            del pending, target, zt
     return _SweepOutput(loss, alpha, correct, grad_draft, grad_weight)
-
-
-def overlap_stats(p: torch.Tensor, q: torch.Tensor):
-    """This shard's part of ``alpha = sum_v min(p, q)`` and of ``dot = sum_v q_v 1[q_v < p_v]``.
-
-    Args:
-        p: ``[n, V/tp]`` target probabilities. q: ``[n, V/tp]`` draft probabilities.
-
-    Returns:
-        ``(overlap [n], dot [n], below [n, V/tp] bool)`` with ``below = q < p`` (strict: at a tie
-        the minimum is taken as the detached ``p``, so the tied entry passes no gradient).
-    """
-    below = q < p
-    return torch.minimum(p, q).sum(-1), torch.where(below, q, 0.0).sum(-1), below
-
-
-def tv_logit_grad_(q: torch.Tensor, below: torch.Tensor, dot: torch.Tensor) -> torch.Tensor:
-    """``d(1 - alpha)/dz = q * (dot - 1[q < p])``, written into ``q`` (its memory is reused).
-
-    Args:
-        q: ``[n, V/tp]`` draft probabilities (overwritten). below: ``[n, V/tp]`` ``q < p``.
-        dot: ``[n]`` full-vocabulary ``sum_u q_u 1[q_u < p_u]`` (all-reduced over TP).
-    """
-    return q.mul_(below.to(q.dtype).neg_().add_(dot.unsqueeze(-1)))
 
 
 def _objective(alpha: torch.Tensor, token_weights, rows: slice, loss_type: str, b: int):

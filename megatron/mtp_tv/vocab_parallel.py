@@ -33,20 +33,39 @@ def all_reduce_sum_(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return tensor
 
 
+def combine_logsumexp(
+    local_max: torch.Tensor, local_logsum: torch.Tensor, group: ProcessGroup
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Full-vocabulary log-normaliser from each shard's ``(row max, log sum exp(z - max))``.
+
+    Instead of the two all-reduces cross-entropy uses (MAX of the row max, then SUM of the
+    shifted sum-exp), every rank all-gathers the per-shard pairs and combines them with a local
+    log-sum-exp: one collective, same result.
+
+    Args:
+        local_max, local_logsum: ``[n]`` statistics of this rank's vocabulary shard.
+        group: the tensor-parallel group the vocabulary is sharded over (None: not sharded).
+
+    Returns:
+        ``(lse [n], global_max [n])``.
+    """
+    world = group_size(group)
+    if world == 1:
+        return local_max + local_logsum, local_max
+    stats = torch.stack([local_max, local_logsum], dim=-1)  # [n, 2]
+    gathered = stats.new_empty((world,) + stats.shape)
+    dist.all_gather_into_tensor(gathered, stats, group=group)
+    return torch.logsumexp(gathered[..., 0] + gathered[..., 1], dim=0), gathered[..., 0].amax(dim=0)
+
+
 def exp_normalise_(
     logits: torch.Tensor, group: ProcessGroup
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Turn fp32 logits ``[n, V/tp]`` into the probabilities of a softmax over the full vocab.
 
-    Works in place (``logits`` becomes the probabilities). Instead of the two all-reduces
-    cross-entropy uses (MAX of the row max, then SUM of the shifted sum-exp), each rank
-    all-gathers its own ``(row max, sum exp(z - row max))`` pair and every rank combines the
-    pairs with a local log-sum-exp: one collective, same result, and no second pass of ``exp``
-    (the shifted exponentials are rescaled by ``exp(m_r - lse)``).
-
-    Args:
-        logits: ``[n, V/tp]`` fp32, overwritten with the probabilities.
-        group: the tensor-parallel group the vocabulary is sharded over (None: not sharded).
+    Works in place (``logits`` becomes the probabilities) with a single ``exp`` pass: the
+    shard-shifted exponentials are rescaled by ``exp(m_local - lse)`` once the full-vocabulary
+    normaliser is known (:func:`combine_logsumexp`).
 
     Returns:
         ``(probs, global_max)``: ``probs`` is ``logits`` itself, ``global_max`` is ``[n]``, the
@@ -55,15 +74,9 @@ def exp_normalise_(
     local_max = logits.amax(dim=-1)
     logits.sub_(local_max.unsqueeze(-1)).exp_()
     local_sum = logits.sum(dim=-1)
-    world = group_size(group)
-    if world == 1:
-        logits.div_(local_sum.unsqueeze(-1))
-        return logits, local_max
-    stats = torch.stack([local_max, local_sum.log()], dim=-1)  # [n, 2]
-    gathered = stats.new_empty((world,) + stats.shape)
-    dist.all_gather_into_tensor(gathered, stats, group=group)
-    global_max = gathered[..., 0].amax(dim=0)
-    lse = torch.logsumexp(gathered[..., 0] + gathered[..., 1], dim=0)  # [n]
+    if group_size(group) == 1:
+        return logits.div_(local_sum.unsqueeze(-1)), local_max
+    lse, global_max = combine_logsumexp(local_max, local_sum.log(), group)
     logits.mul_((local_max - lse).exp_().unsqueeze(-1))
     return logits, global_max
 

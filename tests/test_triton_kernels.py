@@ -1,0 +1,85 @@
+"""The Triton row kernels, run on CPU through Triton's interpreter, against the torch path.
+
+The interpreter is chosen when kernels are decorated, so these run in a subprocess that starts
+with ``TRITON_INTERPRET=1``.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.mtp_tv.row_ops import TRITON_ENV, TorchRowOps, select_row_ops
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(code: str, **env):
+    full_env = {**os.environ, 'TRITON_INTERPRET': '1', 'PYTHONPATH': str(ROOT), **env}
+    proc = subprocess.run(
+        [sys.executable, '-c', textwrap.dedent(code)], env=full_env, capture_output=True,
+        text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_kernels_match_torch_row_ops_over_several_vocab_tiles():
+    _run('''
+        import torch
+        from megatron.mtp_tv.row_ops import TorchRowOps, TritonRowOps
+        torch.manual_seed(0)
+        n, V = 3, 5000  # two 4096-wide tiles, the second one partial
+        zt = torch.randn(n + 2, V) * 3
+        zq = torch.randn(n, V) * 3
+        dot_coef = torch.rand(n)
+        for offset in (0, 2):
+            t_ref = TorchRowOps.target(zt.clone(), None)
+            d_ref, m_ref = TorchRowOps.draft(zq.clone(), None)
+            ov_ref, dot_ref = TorchRowOps.overlap(t_ref, offset, d_ref)
+            g_ref = TorchRowOps.grad_(t_ref, offset, d_ref, dot_ref, dot_coef)
+            t = TritonRowOps.target(zt.clone(), None)
+            d, m = TritonRowOps.draft(zq.clone(), None)
+            ov, dot = TritonRowOps.overlap(t, offset, d)
+            g = TritonRowOps.grad_(t, offset, d, dot, dot_coef)
+            torch.testing.assert_close(m, m_ref)
+            torch.testing.assert_close(ov, ov_ref, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(dot, dot_ref, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-9)
+        print('ok')
+    ''')
+
+
+def test_linear_tv_reference_suite_through_the_kernels():
+    # A slice of the reference tests (both losses, chunking, fused and recompute) on Triton.
+    proc = subprocess.run(
+        [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', str(ROOT / 'tests/test_linear_tv.py'),
+         '-k', 'test_matches_reference and 5-' + ' or logits_fn or greedy or zero'],
+        env={**os.environ, 'TRITON_INTERPRET': '1', TRITON_ENV: '1', 'PYTHONPATH': str(ROOT)},
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert ' passed' in proc.stdout and 'failed' not in proc.stdout
+
+
+def test_dispatch_says_why_the_kernel_is_not_used(monkeypatch):
+    monkeypatch.delenv('TRITON_INTERPRET', raising=False)
+    monkeypatch.delenv(TRITON_ENV, raising=False)
+    ops, reason = select_row_ops(torch.zeros(2, 3))
+    assert ops is TorchRowOps and 'cpu' in reason and 'CUDA' in reason
+    monkeypatch.setenv('TRITON_INTERPRET', '1')
+    ops, reason = select_row_ops(torch.zeros(2, 3, dtype=torch.bfloat16))
+    assert ops is TorchRowOps and 'bfloat16' in reason
+    monkeypatch.setenv(TRITON_ENV, '0')
+    assert select_row_ops(torch.zeros(2, 3))[1] == f'disabled by {TRITON_ENV}=0'
+    monkeypatch.setenv(TRITON_ENV, '1')
+    monkeypatch.delenv('TRITON_INTERPRET')
+    with pytest.raises(RuntimeError, match='cannot run'):
+        select_row_ops(torch.zeros(2, 3))
+    monkeypatch.setenv(TRITON_ENV, 'yes')
+    with pytest.raises(ValueError, match="'yes'"):
+        select_row_ops(torch.zeros(2, 3))
