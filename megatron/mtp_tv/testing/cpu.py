@@ -28,7 +28,9 @@ Every patch is process-wide and idempotent. Do not call this in a process that s
 from __future__ import annotations
 
 import copy
+import logging
 import threading
+import warnings
 from typing import Callable, Dict, Iterable, List, Tuple
 
 import torch
@@ -41,6 +43,7 @@ __all__ = [
     "sequence_parallel_params",
     "causal_attention_mask",
     "packed_causal_attention_mask",
+    "quiet_megatron_warnings",
 ]
 
 _LOCK = threading.Lock()
@@ -147,8 +150,31 @@ def _make_norm_new(original_new):
     return __new__
 
 
+# (message regex, category) of warnings that say nothing on a CPU-only machine without TE/Apex.
+_NOISE = [
+    ("Transformer Engine and Apex are not installed", UserWarning),
+    ("Apex is not installed", UserWarning),
+    ("absl.logging is not installed", UserWarning),
+    (".*CUDA_DEVICE_MAX_CONNECTIONS", UserWarning),
+    ("full scope is deprecated", UserWarning),
+    ("`torch.distributed.all_gather_into_tensor` is deprecated", FutureWarning),
+    ("`torch.distributed.reduce_scatter_tensor` is deprecated", FutureWarning),
+]
+
+
+def quiet_megatron_warnings() -> None:
+    """Silence megatron-core's CPU-irrelevant warnings and log lines (no TE/Apex, no CUDA,
+    GPTModel's deprecation notice). Call it before importing megatron to also catch the
+    import-time ones. Process-wide; other warnings are untouched."""
+    for message, category in _NOISE:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    for name in ("torch.utils.cpp_extension", "megatron.core.models.gpt.gpt_model"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def apply_cpu_shims() -> None:
     """Patch megatron-core (and ``torch.cuda.current_device``) so models run on CPU. Idempotent."""
+    quiet_megatron_warnings()
     with _LOCK:
         if _PATCHES:
             return

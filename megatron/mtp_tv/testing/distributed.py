@@ -47,10 +47,17 @@ __all__ = [
 
 DEFAULT_TIMEOUT = 120.0
 DEFAULT_SEED = 1234
-# Modules the fork server imports once, so that forked workers start warm.
+# Modules the fork server imports once, so that forked workers start warm. (Our testing modules
+# import megatron lazily, so megatron's heavy modules must be named here explicitly.)
 _PRELOAD = [
+    "megatron.core.parallel_state",
+    "megatron.core.tensor_parallel",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.transformer.multi_token_prediction",
     "megatron.mtp_tv.testing.distributed",
     "megatron.mtp_tv.testing.models",
+    "megatron.mtp_tv.testing.packed",
 ]
 
 

@@ -1,0 +1,11 @@
+"""CPU test and demo support for ``megatron.mtp_tv`` (never imported by product code).
+
+* :mod:`.cpu` - shims that let megatron-core 0.19.2 models run on a CPU with gloo.
+* :mod:`.distributed` - :func:`spawn` gloo workers with megatron's parallel state, and
+  :func:`single_process` for world size 1 in the current process.
+* :mod:`.models` - tiny ``GPTModel`` with MTP, its loss, MTP hidden-state capture, and
+  tensor-parallel parameter gathering for TP=N vs TP=1 comparisons.
+* :mod:`.packed` - packed (THD) ``PackedSeqParams`` and the context-parallel zigzag split.
+
+Importing this package imports torch but not megatron; the submodules import megatron lazily.
+"""

@@ -1,0 +1,321 @@
+"""Tiny megatron-core GPTModels with MTP for CPU tests and the demo.
+
+Call these inside :func:`megatron.mtp_tv.testing.distributed.spawn` workers or
+:func:`~megatron.mtp_tv.testing.distributed.single_process` (they need megatron's parallel state
+and the CPU shims).
+
+How GPTModel 0.19.2 wires MTP (``models/gpt/gpt_model.py::_postprocess``):
+``hidden = decoder(...)`` (after the final norm) -> ``hidden = self.mtp(...)`` returns the
+concatenation ``[(1+D)*s, b, h]`` (main chunk first, then one chunk per depth; each chunk is
+``[s/tp, b, h]`` under sequence parallelism) -> ``process_mtp_loss(hidden, labels, loss_mask,
+output_layer, output_weight, ...)`` adds the MTP losses through ``MTPLossAutoScaler`` and returns
+the main chunk -> ``output_layer`` -> ``compute_language_model_loss(labels, logits)`` ``[b, s]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterator, List, NamedTuple, Optional
+
+import torch
+
+__all__ = [
+    "build_gpt_with_mtp",
+    "forward_loss",
+    "MTPCapture",
+    "capture_mtp_hidden_states",
+    "gather_sequence_parallel",
+    "GatheredParam",
+    "gather_tp_params",
+    "compare_gathered",
+]
+
+
+def build_gpt_with_mtp(
+    vocab_size: int = 128,
+    hidden_size: int = 32,
+    num_layers: int = 1,
+    mtp_num_layers: int = 2,
+    seq_length: int = 16,
+    num_attention_heads: int = 4,
+    tie_embeddings: bool = True,
+    sequence_parallel: bool = False,
+    params_dtype: torch.dtype = torch.float32,
+    seed: int = 1234,
+    position_embedding_type: str = "learned_absolute",
+    **config_overrides,
+):
+    """A megatron-core ``GPTModel`` with ``mtp_num_layers`` MTP depths, local (non-TE) spec.
+
+    Weights are initialised on the CPU from a full master weight that is then split over TP
+    (``use_cpu_initialization=True``), after re-seeding with ``seed``: the same seed gives the
+    same full weights at any TP size. Dropout is 0. ``tensor_model_parallel_size`` and
+    ``context_parallel_size`` come from megatron's parallel state. Any other ``TransformerConfig``
+    field (``mtp_loss_type``, ``mtp_tv_chunk``, ``mtp_detach_heads``, ``calculate_per_token_loss``,
+    ``mtp_loss_scaling_factor``, ...) can be passed through ``config_overrides``.
+    ``position_embedding_type`` may be ``'learned_absolute'``, ``'rope'`` or ``'none'``.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.mtp_tv.testing.distributed import seed_everything
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    cp = parallel_state.get_context_parallel_world_size()
+    if vocab_size % tp != 0:
+        raise ValueError(f"vocab_size={vocab_size} must be divisible by TP={tp}")
+    config_kwargs = dict(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        mtp_num_layers=mtp_num_layers,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        gradient_accumulation_fusion=False,
+    )
+    config_kwargs.update(config_overrides)
+    config = TransformerConfig(**config_kwargs)
+
+    layer_spec = get_gpt_layer_local_spec()
+    mtp_block_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
+    seed_everything(seed)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=vocab_size,
+        max_sequence_length=seq_length,
+        mtp_block_spec=mtp_block_spec,
+        share_embeddings_and_output_weights=tie_embeddings,
+        position_embedding_type=position_embedding_type,
+        parallel_output=True,
+    )
+    return model
+
+
+def _default_position_ids(tokens: torch.Tensor, packed_seq_params) -> torch.Tensor:
+    if packed_seq_params is not None:
+        from megatron.mtp_tv.testing.packed import packed_position_ids
+
+        return packed_position_ids(packed_seq_params, tokens.size(0)).to(tokens.device)
+    batch, seq = tokens.shape
+    return torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, seq)
+
+
+def forward_loss(
+    model,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: Optional[torch.Tensor] = None,
+    packed_seq_params=None,
+    position_ids: Optional[torch.Tensor] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Run ``model`` forward and return the main per-token loss ``[b, s]`` (unmasked).
+
+    The MTP losses are not in the returned tensor: ``process_mtp_loss`` attaches them to the
+    graph through ``MTPLossAutoScaler``, so ``backward()`` of anything computed from the returned
+    loss also back-propagates ``scale * sum(mtp_loss)`` (scaled by
+    ``MTPLossAutoScaler.main_loss_backward_scale``, 1 by default).
+
+    ``tokens``/``labels``/``loss_mask`` are ``[b, s]`` with labels already shifted once
+    (``labels[:, t] = tokens[:, t+1]``). ``position_ids`` default to ``arange(s)`` (restarting
+    per sequence when ``packed_seq_params`` is given, ``b`` must then be 1). ``attention_mask``
+    defaults to the causal mask (ignored for packed batches, see ``cpu.py``).
+    """
+    from megatron.mtp_tv.testing.cpu import causal_attention_mask
+
+    if position_ids is None:
+        position_ids = _default_position_ids(tokens, packed_seq_params)
+    if attention_mask is None and packed_seq_params is None:
+        attention_mask = causal_attention_mask(tokens.size(1), device=tokens.device)
+    return model(
+        input_ids=tokens,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        labels=labels,
+        loss_mask=loss_mask,
+        packed_seq_params=packed_seq_params,
+    )
+
+
+class MTPCapture:
+    """What :func:`capture_mtp_hidden_states` recorded for the latest forward.
+
+    ``output`` is the MTP block's output ``[(1+D)*s_local, b, h]`` (still in the autograd graph);
+    ``main`` is its first chunk (the decoder output after its final norm) and ``depths[k]`` the
+    output of MTP depth ``k`` (0-based; after that depth's final norm). Under sequence
+    parallelism every chunk is this rank's ``[s/tp, b, h]`` slice: use
+    :func:`gather_sequence_parallel` for the full sequence. ``calls`` counts forwards.
+    """
+
+    def __init__(self, num_depths: int):
+        self.num_depths = num_depths
+        self.output: Optional[torch.Tensor] = None
+        self.calls = 0
+
+    @property
+    def chunks(self) -> List[torch.Tensor]:
+        if self.output is None:
+            raise RuntimeError("no forward has been captured yet")
+        return list(torch.chunk(self.output, 1 + self.num_depths, dim=0))
+
+    @property
+    def main(self) -> torch.Tensor:
+        return self.chunks[0]
+
+    @property
+    def depths(self) -> List[torch.Tensor]:
+        return self.chunks[1:]
+
+
+@contextlib.contextmanager
+def capture_mtp_hidden_states(model) -> Iterator[MTPCapture]:
+    """Record the MTP block's output hidden states (main + one per depth) via a forward hook.
+
+    >>> with capture_mtp_hidden_states(model) as cap:
+    ...     loss = forward_loss(model, tokens, labels, mask)
+    >>> cap.depths[0]  # [s, b, h], depth 0's hidden states, part of the graph
+    """
+    mtp = getattr(model, "mtp", None)
+    if mtp is None:
+        raise ValueError("model has no MTP block (mtp_num_layers unset or not the last stage)")
+    capture = MTPCapture(model.config.mtp_num_layers)
+
+    def hook(module, args, output):
+        capture.output = output
+        capture.calls += 1
+
+    handle = mtp.register_forward_hook(hook)
+    try:
+        yield capture
+    finally:
+        handle.remove()
+
+
+def gather_sequence_parallel(tensor: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """All-gather a ``[s/tp, ...]`` sequence-parallel slice into ``[s, ...]`` (no autograd)."""
+    import torch.distributed as dist
+
+    if tp_group is None:
+        from megatron.core import parallel_state
+
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+    world = dist.get_world_size(group=tp_group)
+    local = tensor.detach().contiguous()
+    if world == 1:
+        return local.clone()
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local, group=tp_group)
+    return torch.cat(parts, dim=0)
+
+
+class GatheredParam(NamedTuple):
+    """A parameter and its gradient, unsharded (full size), detached CPU copies."""
+
+    data: torch.Tensor
+    grad: Optional[torch.Tensor]
+
+
+def _unshard(local: torch.Tensor, tp_group, dim: int, stride: int) -> torch.Tensor:
+    """Inverse of megatron's ``_initialize_affine_weight_cpu`` split: the full tensor was cut into
+    ``stride * tp`` equal chunks along ``dim`` and rank ``r`` holds chunks ``r, r+tp, ...``
+    concatenated."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group=tp_group)
+    local = local.detach().contiguous()
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local, group=tp_group)
+    if stride == 1:
+        return torch.cat(parts, dim=dim)
+    per_rank = [list(torch.chunk(part, stride, dim=dim)) for part in parts]
+    ordered = [per_rank[k % world][k // world] for k in range(stride * world)]
+    return torch.cat(ordered, dim=dim)
+
+
+def gather_tp_params(model, tp_group=None, grads: bool = True) -> Dict[str, GatheredParam]:
+    """Every parameter of ``model`` (and its grad), unsharded over tensor parallelism.
+
+    Megatron marks each TP-sharded param with ``tensor_model_parallel=True``, ``partition_dim``
+    (0 for ``ColumnParallelLinear`` weight and bias and ``VocabParallelEmbedding``, 1 for
+    ``RowParallelLinear`` weight) and ``partition_stride``; those are all-gathered over
+    ``tp_group`` and reassembled. Other params are replicated and returned as they are on this
+    rank (under sequence parallelism, call ``allreduce_sequence_parallel_grads`` first so the
+    norm grads are complete). ``main_grad`` is used when present. Collective: call on every TP
+    rank. Keys are ``model.named_parameters()`` names (tied weights appear once).
+    """
+    import torch.distributed as dist
+
+    if tp_group is None:
+        from megatron.core import parallel_state
+
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+    world = dist.get_world_size(group=tp_group)
+    out: Dict[str, GatheredParam] = {}
+    for name, param in model.named_parameters():
+        grad = None
+        if grads:
+            grad = getattr(param, "main_grad", None)
+            if grad is None:
+                grad = param.grad
+        sharded = getattr(param, "tensor_model_parallel", False) and world > 1
+        if sharded:
+            dim = int(getattr(param, "partition_dim", 0))
+            stride = int(getattr(param, "partition_stride", 1))
+            data = _unshard(param.data, tp_group, dim, stride)
+            if grads:
+                # Every rank must take part in the collective, with or without a grad.
+                has = torch.tensor([0 if grad is None else 1])
+                dist.all_reduce(has, group=tp_group, op=dist.ReduceOp.MIN)
+                full_grad = _unshard(grad, tp_group, dim, stride) if int(has) == 1 else None
+            else:
+                full_grad = None
+        else:
+            data = param.detach().clone()
+            full_grad = None if grad is None else grad.detach().clone()
+        out[name] = GatheredParam(data.cpu(), None if full_grad is None else full_grad.cpu())
+    return out
+
+
+def compare_gathered(
+    expected: Dict[str, GatheredParam],
+    actual: Dict[str, GatheredParam],
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
+    grads: bool = True,
+) -> List[str]:
+    """Human-readable differences between two :func:`gather_tp_params` results (empty if the
+    same names, shapes and values within tolerance)."""
+    problems: List[str] = []
+    if set(expected) != set(actual):
+        problems.append(
+            f"names differ: only expected {sorted(set(expected) - set(actual))}, "
+            f"only actual {sorted(set(actual) - set(expected))}"
+        )
+    for name in sorted(set(expected) & set(actual)):
+        pairs = [("data", expected[name].data, actual[name].data)]
+        if grads:
+            pairs.append(("grad", expected[name].grad, actual[name].grad))
+        for kind, a, b in pairs:
+            if a is None or b is None:
+                if (a is None) != (b is None):
+                    problems.append(f"{name}.{kind}: None in one of them")
+                continue
+            if a.shape != b.shape:
+                problems.append(f"{name}.{kind}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
+            elif not torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol):
+                diff = (a.float() - b.float()).abs().max().item()
+                problems.append(f"{name}.{kind}: max abs diff {diff:.3e}")
+    return problems
