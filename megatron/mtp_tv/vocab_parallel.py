@@ -53,8 +53,9 @@ def combine_logsumexp(
     if world == 1:
         return local_max + local_logsum, local_max
     stats = torch.stack([local_max, local_logsum], dim=-1)  # [n, 2]
-    gathered = stats.new_empty((world,) + stats.shape)
+    gathered = stats.new_empty((world * stats.shape[0], 2))
     dist.all_gather_into_tensor(gathered, stats, group=group)
+    gathered = gathered.view(world, -1, 2)
     return torch.logsumexp(gathered[..., 0] + gathered[..., 1], dim=0), gathered[..., 0].amax(dim=0)
 
 
