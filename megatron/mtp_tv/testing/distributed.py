@@ -15,7 +15,11 @@ megatron (~6 s on the 2-core CI machine). The fork server is a clean single-thre
 ``MTP_TV_START_METHOD=spawn`` to use plain spawn instead.
 
 ``fn`` and ``args`` are pickled: ``fn`` must be a module-level function of an importable module
-(pytest test modules are fine).
+(pytest test modules are fine). As with any non-fork start method, a *script* that calls
+:func:`spawn` must do so under ``if __name__ == "__main__":``: workers re-import the main module.
+Workers inherit the fork server's stdout/stderr (under pytest: the capture of the test that
+started it), so look at the :class:`WorkerError` message, which carries each failing rank's
+traceback, rather than at worker prints.
 """
 
 from __future__ import annotations
@@ -218,8 +222,11 @@ def spawn(
     """
     import torch.distributed as dist
 
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if world_size < 1 or tp < 1 or cp < 1 or world_size % (tp * cp) != 0:
+        raise ValueError(
+            f"need world_size >= 1 divisible by tp * cp, got world_size={world_size}, "
+            f"tp={tp}, cp={cp}"
+        )
     fn_bytes = pickle.dumps((fn, args))
     threads = max(1, (os.cpu_count() or 1) // world_size)
     ctx = _context()
