@@ -1,0 +1,56 @@
+"""Shared pytest set-up.
+
+* The repository root is put on sys.path, so the tests also run from a plain checkout without
+  ``pip install -e .`` (``megatron`` is a namespace package: the checkout's ``megatron/mtp_tv`` and
+  site-packages' ``megatron/core`` combine).
+* megatron-core's CPU-irrelevant warnings are silenced (see ``quiet_megatron_warnings``).
+* Every test starts and ends without megatron parallel state, MTP logging tracker contents or a
+  leftover process group, whatever the previous test did.
+* Fixture ``megatron_cpu``: the body of the test runs inside ``single_process()`` (gloo world of
+  one, TP=CP=1, CPU shims, seeded).
+
+Multi-process tests: ``megatron.mtp_tv.testing.distributed.spawn(fn, world_size, *args, tp=, cp=)``
+with ``fn`` a module-level function of the test module (it is pickled by name).
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from megatron.mtp_tv.testing.cpu import quiet_megatron_warnings  # noqa: E402
+
+quiet_megatron_warnings()
+
+
+def _reset_if_megatron_loaded():
+    # Only when a test imported megatron: importing it just to reset costs seconds.
+    if "megatron.core.parallel_state" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    from megatron.mtp_tv.testing.distributed import reset_megatron_state
+
+    reset_megatron_state()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _clean_megatron_state():
+    _reset_if_megatron_loaded()
+    yield
+    _reset_if_megatron_loaded()
+
+
+@pytest.fixture
+def megatron_cpu():
+    """Run the test inside ``single_process()``: world size 1, TP=CP=1, CPU shims, seed 1234."""
+    from megatron.mtp_tv.testing.distributed import single_process
+
+    with single_process():
+        yield
