@@ -1,0 +1,28 @@
+# make demo   - set up .venv (first time: 1-3 min of downloads) and run the CPU demo
+# make test   - set up .venv and run the whole test suite
+# make bench  - set up .venv and run the loss benchmark
+# make setup  - only create/refresh .venv (tools/setup_env.sh; ~1 s when up to date)
+#
+# ARGS="..." is passed to the demo / benchmark script, PYTEST_ARGS="..." to pytest.
+
+SHELL := /bin/bash
+PY := .venv/bin/python
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test bench
+
+setup:
+	@bash tools/setup_env.sh
+
+demo: setup
+	$(PY) examples/cpu_demo.py $(ARGS)
+
+# pytest exits 5 when it collected no tests; that must fail `make test` (and CI) loudly.
+test: setup
+	@rc=0; $(PY) -m pytest tests -q -ra --durations=15 $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: ERROR: pytest collected no tests" >&2; fi; \
+	exit $$rc
+
+bench: setup
+	$(PY) tools/bench_loss.py $(ARGS)
