@@ -83,10 +83,10 @@ def test_tie_convention_passes_no_gradient_through_tied_entries():
     p = torch.tensor([[0.5, 0.25, 0.25]])
     q = torch.tensor([[0.25, 0.25, 0.5]])
     draft = [q.clone(), None]
-    overlap, dot = TorchRowOps.overlap(p, 0, draft)
+    overlap, dot = TorchRowOps.overlap([p, None], 0, draft)
     assert overlap.item() == 0.75 and dot.item() == 0.25
     assert draft[1].tolist() == [[True, False, False]]
-    grad = TorchRowOps.grad_(p, 0, draft, dot, torch.ones(1))
+    grad = TorchRowOps.grad_([p, None], 0, draft, dot, torch.ones(1))
     # q * (dot - 1[q < p]); torch.minimum's 1/2 convention would give [-0.15625, -0.03125, 0.1875].
     assert grad.tolist() == [[-0.1875, 0.0625, 0.125]]
 

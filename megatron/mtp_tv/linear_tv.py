@@ -15,24 +15,29 @@ The weights ``w`` carry the loss mask and the whole normalisation (``scale / num
 loss is a scalar and its gradient is fully known during the forward pass.
 
 Memory: tokens are processed in chunks of ``chunk_size``. Inside a chunk the target rows
-``t+1 .. t+chunk+G-1`` are projected once and shared by all depths, each depth's draft logits
+``t+1 .. t+chunk+G-1`` are projected once and shared by all depths, every depth's draft logits
 are projected, and (fused mode, the default) the analytic logit gradient
 ``dL/dz = -coef * q * (1[q < p] - sum_u q_u 1[q_u < p_u])`` is turned into the hidden-state
-gradient and the weight gradient before the chunk's logits are freed. Nothing of size V outlives
-a chunk; what is kept for backward is the hidden-state gradient ``[G, s, b, h]`` and the weight
-gradient ``[V/tp, h]``, and backward is a scalar multiply. The recompute mode keeps only the
-inputs and runs the same sweep again in backward (one more projection per chunk), for debugging.
+gradient and the weight gradient before the chunk's logits are freed. Live per chunk:
+``(chunk + G - 1) + G * chunk`` rows of ``V/tp`` fp32 (the depths of a chunk are coupled by the
+end-to-end objective and share the collectives). Nothing of size V outlives a chunk; what is kept
+for backward is the hidden-state gradient ``[G, s, b, h]`` and the weight gradient ``[V/tp, h]``
+(fp32), and backward is a scalar multiply. The recompute mode keeps only the inputs and runs the
+same sweep again in backward (the projections twice), for debugging.
 
 Ties ``q_v == p_v`` count as ``min = p`` (the detached side): the indicator ``1[q < p]`` is strict,
 so such a vocabulary entry passes no gradient (torch.minimum's autograd would pass 1/2).
 
-Tensor parallelism: the vocabulary is sharded; per chunk and depth the softmax statistics cost
-one all-gather (see :func:`exp_normalise_`) and the overlap, the gradient's dot product and the
-greedy hit count travel together in one SUM all-reduce, so backward needs no collective here. The
-hidden-state gradient returned for ``draft_hidden`` is this rank's partial sum over its vocabulary
-shard, exactly like the input gradient of a column-parallel linear layer before its backward
-all-reduce: the caller feeds ``draft_hidden`` through the usual copy-to-TP (or sequence-parallel
-all-gather) mapping, whose backward reduces it.
+Tensor parallelism: the vocabulary is sharded. Collectives per chunk, whatever the number of
+depths: forward one all-gather (each shard's row max and log-sum-exp of the target rows and of
+every depth's rows, combined locally, see :func:`combine_logsumexp`) and one SUM all-reduce
+(overlap, the gradient's dot product and the greedy hit count of every depth); backward none. The
+hidden-state gradient returned for ``draft_hidden`` is this rank's partial sum over its
+vocabulary shard, exactly like the input gradient of a column-parallel linear layer before its
+backward all-reduce: the caller feeds ``draft_hidden`` through the usual copy-to-TP (or
+sequence-parallel all-gather) mapping, whose backward reduces it once per micro-batch. Every TP
+rank walks the same chunks (they depend only on shapes and segments), so no rank skips a
+collective another rank is waiting in, even when a chunk holds no valid token.
 
 No Megatron imports here.
 """
@@ -43,7 +48,7 @@ from typing import Callable, List, Literal, NamedTuple, Optional, Sequence
 import torch
 
 from .row_ops import select_row_ops
-from .vocab_parallel import ProcessGroup, all_reduce_sum_, vocab_range
+from .vocab_parallel import ProcessGroup, all_reduce_sum_, combine_logsumexp, vocab_range
 
 TVLossType = Literal['tv', 'e2e_tv']
 
@@ -234,35 +239,42 @@ def _sweep(draft_hidden, weight, target_hidden, token_weights, plan: _Plan, draf
             zt = _logits(target_rows, weight, plan.logits_fn)
             if ops is None:
                 ops, _ = select_row_ops(zt)
-            target = ops.target(zt, plan.tp_group)
-
             chunk_labels = labels[:, rows].reshape(G, n) if labels is not None else None
-            pending = []  # per depth: what the gradient step needs once coef is known
-            chunk_alpha = []
+            depths = []  # per depth: (x, logits the row ops may overwrite, z_leaf, z, label logit)
             for k in range(G):
                 x = draft_hidden[k, rows].reshape(n, h)
-                z_linear = _linear(x, weight)
-                z_leaf, z = _apply_logits_fn(z_linear, plan.logits_fn, want_grad)
+                z_leaf, z = _apply_logits_fn(_linear(x, weight), plan.logits_fn, want_grad)
                 hit = _label_logit(z, chunk_labels[k], vocab_start, vocab_stop) if chunk_labels is not None else None
                 # The row ops overwrite their input; keep z intact only when autograd needs it.
-                draft, global_max = ops.draft(z.detach().clone() if z_leaf is not None else z, plan.tp_group)
-                overlap, dot = ops.overlap(target, k * b, draft)
-                hits = (hit >= global_max).float() if hit is not None else torch.zeros_like(overlap)
-                # overlap, dot and greedy hits of this shard -> full vocabulary: one all-reduce.
-                overlap, dot, hits = all_reduce_sum_(torch.stack([overlap, dot, hits]), plan.tp_group)
-                chunk_alpha.append(overlap)
-                alpha[k, rows] = overlap.view(stop - start, b)
-                if chunk_labels is not None:
-                    correct[k, rows] = (hits > 0).view(stop - start, b)
-                if want_grad:
-                    pending.append((x, draft, dot, z_leaf, z))
-                else:
-                    del draft
+                depths.append((x, z.detach().clone() if z_leaf is not None else z, z_leaf, z, hit))
 
-            coef, chunk_loss = _objective(torch.stack(chunk_alpha), token_weights, rows, plan.loss_type, b)
+            # Collective 1: the normalisers of the target rows and of every depth's rows.
+            stats = [ops.local_stats(zt)] + [ops.local_stats(d[1]) for d in depths]
+            local_max = torch.cat([m for m, _ in stats])
+            lse, global_max = combine_logsumexp(local_max, torch.cat([l for _, l in stats]), plan.tp_group)
+            bounds = [0, zt.shape[0]] + [zt.shape[0] + (k + 1) * n for k in range(G)]
+            part = [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+            target = ops.finish(zt, local_max[part[0]], lse[part[0]])
+            drafts = [ops.finish(d[1], local_max[part[k + 1]], lse[part[k + 1]]) for k, d in enumerate(depths)]
+
+            # Collective 2: overlap, the gradient's dot product and greedy hits of every depth.
+            sums = []
+            for k, draft in enumerate(drafts):
+                overlap, dot = ops.overlap(target, k * b, draft)
+                hit = depths[k][4]
+                hits = (hit >= global_max[part[k + 1]]).float() if hit is not None else torch.zeros_like(overlap)
+                sums.append(torch.stack([overlap, dot, hits]))
+            chunk_alpha, dots, hits = all_reduce_sum_(torch.stack(sums, dim=1), plan.tp_group)
+            alpha[:, rows] = chunk_alpha.view(G, stop - start, b)
+            if chunk_labels is not None:
+                correct[:, rows] = (hits > 0).view(G, stop - start, b)
+
+            coef, chunk_loss = _objective(chunk_alpha, token_weights, rows, plan.loss_type, b)
             loss += chunk_loss
-            for k, (x, draft, dot, z_leaf, z) in enumerate(pending):
-                g = ops.grad_(target, k * b, draft, dot, coef[k])
+            if not want_grad:
+                continue
+            for k, ((x, _, z_leaf, z, _), draft) in enumerate(zip(depths, drafts)):
+                g = ops.grad_(target, k * b, draft, dots[k], coef[k])
                 if z_leaf is not None:  # chain rule through the logit scaling function
                     with torch.enable_grad():
                         (g,) = torch.autograd.grad(z, z_leaf, g)
@@ -271,7 +283,7 @@ def _sweep(draft_hidden, weight, target_hidden, token_weights, plan: _Plan, draf
                     grad_draft[k, rows] = (g @ weight).view(stop - start, b, h)
                 if grad_weight is not None:
                     _accumulate_weight_grad(grad_weight, g, x)
-            del pending, target, zt
+                drafts[k] = depths[k] = None  # free this depth's [n, V/tp] buffer now
     return _SweepOutput(loss, alpha, correct, grad_draft, grad_weight)
 
 

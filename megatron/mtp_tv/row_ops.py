@@ -3,8 +3,8 @@
 One chunk of the sweep in :mod:`.linear_tv` needs, for its target logits ``zt`` and each depth's
 draft logits ``zq`` (fp32, ``[n, V/tp]``):
 
-1. the log-normalisers of both rows over the full vocabulary (``target`` / ``draft``; one
-   all-gather of per-shard statistics under tensor parallelism);
+1. the log-normalisers of every row over the full vocabulary (``local_stats`` per shard, combined
+   by the caller with one all-gather under tensor parallelism, then ``finish``);
 2. this shard's overlap ``sum_v min(p, q)`` and dot product ``sum_v q_v 1[q_v < p_v]``
    (``overlap``; all-reduced by the caller);
 3. the logit gradient ``coef * q * (dot - 1[q < p])``, written over the draft logits (``grad_``).
@@ -20,7 +20,6 @@ from typing import Optional, Tuple
 
 import torch
 
-from .vocab_parallel import ProcessGroup, combine_logsumexp, exp_normalise_
 
 #: ``auto`` (default): Triton on CUDA fp32 logits; ``0``: always torch; ``1``: require Triton.
 TRITON_ENV = 'MEGATRON_MTP_TV_TRITON'
@@ -32,18 +31,21 @@ class TorchRowOps:
     name = 'torch'
 
     @staticmethod
-    def target(zt: torch.Tensor, group: ProcessGroup):
-        return exp_normalise_(zt, group)[0]
+    def local_stats(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """This shard's ``(row max, log sum exp(z - max))``; leaves ``exp(z - max)`` in ``z``."""
+        local_max = z.amax(dim=-1)
+        z.sub_(local_max.unsqueeze(-1)).exp_()
+        return local_max, z.sum(dim=-1).log_()
 
     @staticmethod
-    def draft(zq: torch.Tensor, group: ProcessGroup):
-        q, global_max = exp_normalise_(zq, group)
-        return [q, None], global_max
+    def finish(z: torch.Tensor, local_max: torch.Tensor, lse: torch.Tensor):
+        """Probabilities from the shifted exponentials: one multiply, no second ``exp`` pass."""
+        return [z.mul_((local_max - lse).exp_().unsqueeze(-1)), None]
 
     @staticmethod
     def overlap(target, offset: int, draft) -> Tuple[torch.Tensor, torch.Tensor]:
         q = draft[0]
-        p = target[offset : offset + q.shape[0]]
+        p = target[0][offset : offset + q.shape[0]]
         draft[1] = below = q < p  # kept for the gradient: at a tie min() is p, no gradient
         return torch.minimum(p, q).sum(-1), torch.where(below, q, 0.0).sum(-1)
 
@@ -70,14 +72,12 @@ class TritonRowOps:
     name = 'triton'
 
     @staticmethod
-    def target(zt: torch.Tensor, group: ProcessGroup):
-        lse, _ = combine_logsumexp(*_triton().row_stats(zt), group)
-        return zt, lse
+    def local_stats(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return _triton().row_stats(z)
 
     @staticmethod
-    def draft(zq: torch.Tensor, group: ProcessGroup):
-        lse, global_max = combine_logsumexp(*_triton().row_stats(zq), group)
-        return (zq, lse), global_max
+    def finish(z: torch.Tensor, local_max: torch.Tensor, lse: torch.Tensor):
+        return z, lse
 
     @staticmethod
     def overlap(target, offset: int, draft):
