@@ -61,7 +61,7 @@ PATCH_DIR = REPO / 'patches'
 TARGET_PACKAGE = 'megatron/core/transformer/mtp_tv'
 TARGET_MODULE = TARGET_PACKAGE.replace('/', '.')
 #: Package files that only make sense for the plugin (or for tests) and are not shipped.
-NOT_SHIPPED = ('launch.py', '_startup_hook.py')
+NOT_SHIPPED = ('launch.py', 'startup_hook.py')
 NOT_SHIPPED_DIRS = ('testing',)
 
 CONFIG_FILE = 'megatron/core/transformer/transformer_config.py'

@@ -1,0 +1,143 @@
+"""``python -m megatron.mtp_tv.launch`` runs a script unchanged with the plugin installed, and the
+start-up hook installs it in programs one does not launch (``MEGATRON_MTP_TV=1``)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megatron.mtp_tv import launch, startup_hook
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.plugin_only  # patched trees do not carry the launcher or the hook
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Record install() instead of patching megatron-core, and restore sys.argv / sys.path."""
+    seen = []
+    import megatron.mtp_tv
+
+    monkeypatch.setattr(megatron.mtp_tv, 'install', lambda: seen.append('install'))
+    monkeypatch.setattr(sys, 'argv', list(sys.argv))
+    monkeypatch.setattr(sys, 'path', list(sys.path))
+    return seen
+
+
+def _script(tmp_path, body, name='script.py'):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_script_runs_as_main_with_its_argv_and_directory(tmp_path, calls):
+    out = tmp_path / 'out.txt'
+    script = _script(tmp_path, f"""
+        import sys
+        import megatron.mtp_tv
+        with open({str(out)!r}, 'w') as f:
+            f.write(repr((__name__, sys.argv, sys.path[0], __file__)))
+        megatron.mtp_tv.install()  # the launcher's install ran before: recorded twice
+        sys.exit(3)
+    """)
+    with pytest.raises(SystemExit) as exc:
+        launch.main([str(script), '--mtp-loss-type', 'tv', '--mtp-tv-chunk', '512'])
+    assert exc.value.code == 3
+    name, argv, path0, file = eval(out.read_text())
+    assert name == '__main__'
+    assert argv == [str(script), '--mtp-loss-type', 'tv', '--mtp-tv-chunk', '512']
+    assert path0 == str(tmp_path)
+    assert file == str(script)
+    assert calls == ['install', 'install']
+
+
+def test_exceptions_propagate_unchanged(tmp_path, calls):
+    script = _script(tmp_path, """
+        class Boom(Exception):
+            pass
+        raise Boom('from the script')
+    """)
+    with pytest.raises(Exception, match='from the script') as exc:
+        launch.main([str(script)])
+    assert type(exc.value).__name__ == 'Boom'
+    assert exc.traceback[-1].path == script  # the script's own frame is on top
+
+
+def test_module_mode_and_bad_invocations(tmp_path, calls, monkeypatch):
+    pkg = tmp_path / 'launch_probe_pkg'
+    pkg.mkdir()
+    (pkg / '__init__.py').write_text('')
+    out = tmp_path / 'out.txt'
+    (pkg / 'tool.py').write_text(
+        f'import sys\nopen({str(out)!r}, "w").write(repr((__name__, sys.argv[1:])))\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    launch.main(['-m', 'launch_probe_pkg.tool', '--x', '1'])
+    assert eval(out.read_text()) == ('__main__', ['--x', '1'])
+    with pytest.raises(SystemExit, match='no such file'):
+        launch.main([str(tmp_path / 'missing.py')])
+    with pytest.raises(SystemExit) as exc:
+        launch.main([])
+    assert exc.value.code == 2
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k != startup_hook.ENV}
+    env['PYTHONPATH'] = os.pathsep.join([str(ROOT)] + [p for p in [env.get('PYTHONPATH')] if p])
+    env.update(extra)
+    return env
+
+
+def test_launcher_end_to_end_flags_reach_megatron_args(tmp_path):
+    """A real process: Megatron's own parse_args knows the plugin's flags; the exit code passes.
+    (tests/test_args_forwarding.py follows them on into TransformerConfig.)"""
+    script = _script(tmp_path, """
+        import sys
+        from megatron.training.arguments import parse_args
+        args = parse_args(ignore_unknown_args=True)
+        config_fields = {'mtp_loss_type': args.mtp_loss_type, 'mtp_tv_chunk': args.mtp_tv_chunk}
+        print(config_fields)
+        sys.exit(3 if config_fields == {'mtp_loss_type': 'tv', 'mtp_tv_chunk': 512} else 4)
+    """, name='pretrain_probe.py')
+    res = subprocess.run(
+        [sys.executable, '-W', 'ignore', '-m', 'megatron.mtp_tv.launch', str(script),
+         '--mtp-num-layers', '1', '--mtp-loss-type', 'tv', '--mtp-tv-chunk', '512'],
+        env=_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert res.returncode == 3, res.stdout[-2000:] + res.stderr[-4000:]
+
+
+def _probe(pth_dir, env_value):
+    code = textwrap.dedent(f"""
+        import site, sys
+        site.addsitedir({str(pth_dir)!r})
+        import megatron.mtp_tv.plugin as p
+        print(p.is_installed(), 'megatron.core' in sys.modules)
+    """)
+    extra = {} if env_value is None else {startup_hook.ENV: env_value}
+    return subprocess.run([sys.executable, '-W', 'ignore', '-c', code], env=_env(**extra),
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_startup_hook_line(tmp_path):
+    """The .pth line (processed by ``site`` as at interpreter start-up) installs only when asked."""
+    (tmp_path / startup_hook.PTH_NAME).write_text(startup_hook.PTH_LINE)
+    off = _probe(tmp_path, None)
+    assert off.stdout.split() == ['False', 'False'], off.stderr[-3000:]
+    zero = _probe(tmp_path, '0')
+    assert zero.stdout.split() == ['False', 'False'], zero.stderr[-3000:]
+    on = _probe(tmp_path, '1')
+    assert on.stdout.split() == ['True', 'True'], on.stderr[-3000:]
+
+
+def test_startup_hook_cli_writes_and_removes_the_pth(tmp_path, capsys):
+    assert startup_hook._cli(['install', '--site-packages', str(tmp_path)]) == 0
+    assert (tmp_path / startup_hook.PTH_NAME).read_text() == startup_hook.PTH_LINE
+    assert startup_hook.PTH_LINE.startswith('import ')  # site executes only such lines
+    startup_hook._cli(['status', '--site-packages', str(tmp_path)])
+    assert 'present' in capsys.readouterr().out
+    startup_hook._cli(['uninstall', '--site-packages', str(tmp_path)])
+    assert not (tmp_path / startup_hook.PTH_NAME).exists()
