@@ -163,3 +163,21 @@ def test_ce_is_bit_identical_with_the_plugin_installed():
     assert torch.equal(main, ref_main) and torch.equal(logged, ref_logged)
     for name in ref_grads:
         assert torch.equal(grads[name], ref_grads[name]), name
+
+
+@pytest.mark.parametrize('depth', [1, 2])
+def test_e2e_shallow_chains_match_reference(depth):
+    with single_process():
+        _, grads, logged = _run_package(depth, 'e2e_tv', 7, tie=True)
+    with single_process():
+        _, ref_grads, ref_tv = _run_reference(depth, 'e2e_tv', tie=True)
+    torch.testing.assert_close(logged, ref_tv, rtol=1e-5, atol=1e-6)
+    _assert_same_grads(grads, ref_grads)
+
+
+def test_e2e_with_one_depth_equals_tv():
+    with single_process():
+        _, tv_grads, _ = _run_package(1, 'tv', 5, tie=True)
+    with single_process():
+        _, e2e_grads, _ = _run_package(1, 'e2e_tv', 5, tie=True)
+    _assert_same_grads(e2e_grads, tv_grads, atol=1e-7)
