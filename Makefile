@@ -2,6 +2,10 @@
 # make test   - set up .venv and run the whole test suite
 # make bench  - set up .venv and run the loss benchmark
 # make setup  - only create/refresh .venv (tools/setup_env.sh; ~1 s when up to date)
+# make test-patched - the Megatron-facing tests against megatron-core 0.19.2 patched with
+#               patches/ instead of the plugin (tools/test_patched_tree.py; part of make test)
+# make patches - regenerate patches/ (tools/make_patches.py; MTP_TV_MEGATRON_LM=<radixark clone>
+#               for the fork patches)
 #
 # ARGS="..." is passed to the demo / benchmark script, PYTEST_ARGS="..." to pytest.
 
@@ -10,7 +14,7 @@ PY := .venv/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test test-patched patches bench
 
 setup:
 	@bash tools/setup_env.sh
@@ -23,6 +27,13 @@ test: setup
 	@rc=0; $(PY) -m pytest tests -q -ra --durations=15 $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: ERROR: pytest collected no tests" >&2; fi; \
 	exit $$rc
+	$(PY) tools/test_patched_tree.py
+
+test-patched: setup
+	$(PY) tools/test_patched_tree.py
+
+patches: setup
+	$(PY) tools/make_patches.py
 
 bench: setup
 	$(PY) tools/bench_loss.py $(ARGS)

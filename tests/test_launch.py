@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron.mtp_tv import launch, startup_hook
+import patch_mode
+
+if patch_mode.active():
+    pytest.skip('patched trees do not carry the launcher or the hook', allow_module_level=True)
+
+from megatron.mtp_tv import launch, startup_hook  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.plugin_only  # patched trees do not carry the launcher or the hook

@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""Check that a patched Megatron tree has the MTP TV losses natively and runs them on CPU.
+
+    git -C ~/Megatron-LM apply --check patches/miles-main-2e64d788b.patch   # pick your tree's patch
+    git -C ~/Megatron-LM apply patches/miles-main-2e64d788b.patch
+    python tools/verify_patched_tree.py ~/Megatron-LM
+
+Everything runs in a child process with only the tree on ``PYTHONPATH`` for Megatron (the plugin
+is not installed; ``megatron.mtp_tv`` resolves to the tree's ``megatron.core.transformer.mtp_tv``,
+see tests/patch_mode.py; only the CPU test support comes from this checkout):
+
+1. ``TransformerConfig`` has the fields natively and validates them;
+2. the tree's own ``parse_args`` knows ``--mtp-loss-type``/``--mtp-tv-chunk`` and
+   ``core_transformer_config_from_args`` carries them into the config (skipped with the reason
+   if the tree's ``megatron.training`` cannot be imported here, e.g. a missing ``six``);
+3. a tiny ``GPTModel`` with 2 MTP depths (local spec, CPU, gloo world of one) runs forward and
+   backward with ``mtp_loss_type`` ``'ce'``, ``'tv'`` and ``'e2e_tv'`` through the tree's own MTP
+   loss path (``process_mtp_loss``, or ``GPTModel._postprocess`` with
+   ``mtp_kwargs={'mtp_labels': tokens}`` on radixark miles-main): the TV path runs (its acceptance
+   metrics appear in Megatron's tracker and are logged by ``track_mtp_metrics``), the MTP layers
+   get gradients, the main loss is the same for all three, and on trees whose MTP loss detaches
+   the output layer (miles-main) the TV loss leaves the output weight's gradient unchanged.
+
+Exit status 0 when every check passed. ``--json`` prints the results as JSON.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _child(tree: Path) -> dict:
+    sys.path.insert(0, str(REPO / 'tests'))
+    import patch_mode
+
+    patch_mode.activate()
+    results = {}
+    import torch
+
+    import megatron.core
+    import megatron.mtp_tv
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    results['tree'] = str(tree)
+    results['mtp_tv_module'] = megatron.mtp_tv.__file__
+    assert Path(megatron.mtp_tv.__file__).resolve().is_relative_to(tree.resolve())
+    fields = TransformerConfig.__dataclass_fields__
+    assert all(f in fields for f in ('mtp_loss_type', 'mtp_tv_chunk', 'mtp_log_acceptance'))
+    try:
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, mtp_loss_type='tv')
+        raise AssertionError('mtp_loss_type=tv without mtp_num_layers was accepted')
+    except ValueError:
+        pass
+    results['config_fields'] = 'ok'
+
+    results['cli'] = _check_cli()
+    results['model'] = _check_model()
+    return results
+
+
+def _check_cli():
+    try:
+        import megatron.training.arguments as arguments
+        from megatron.training.argument_utils import core_transformer_config_from_args
+    except ImportError as exc:
+        return f'skipped: megatron.training does not import here ({exc})'
+    sys.argv = [
+        'pretrain_gpt.py', '--num-layers', '2', '--hidden-size', '64', '--num-attention-heads', '4',
+        '--seq-length', '128', '--max-position-embeddings', '128',
+        '--position-embedding-type', 'rope', '--micro-batch-size', '1', '--global-batch-size', '8',
+        '--train-iters', '10', '--lr', '1e-4', '--mock-data', '--tokenizer-type', 'NullTokenizer',
+        '--vocab-size', '1000', '--mtp-num-layers', '1', '--mtp-loss-type', 'tv',
+        '--mtp-tv-chunk', '512',
+    ]
+    os.environ.setdefault('WORLD_SIZE', '1')
+    os.environ.setdefault('RANK', '0')
+    args = arguments.parse_args()
+    if hasattr(arguments, 'get_device_arch_version'):
+        arguments.get_device_arch_version = lambda: 9  # no GPU here
+    arguments.validate_args(args)
+    args.apply_rope_fusion = False  # needs Transformer Engine
+    config = core_transformer_config_from_args(args)
+    assert (config.mtp_loss_type, config.mtp_tv_chunk) == ('tv', 512), config
+    return 'ok: --mtp-loss-type tv --mtp-tv-chunk 512 reached TransformerConfig'
+
+
+def _check_model():
+    import inspect
+
+    import torch
+
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    from megatron.mtp_tv.testing.cpu import causal_attention_mask
+    from megatron.mtp_tv.testing.distributed import single_process
+    from megatron.mtp_tv.testing.models import build_gpt_with_mtp
+
+    inline = 'mtp_kwargs' in inspect.signature(GPTModel.forward).parameters
+    out = {'mtp_loss_path': 'GPTModel._postprocess (inline)' if inline else 'process_mtp_loss'}
+    torch.manual_seed(0)
+    b, s, vocab = 2, 16, 128
+    tokens = torch.randint(0, vocab, (b, s))
+    labels = torch.roll(tokens, -1, dims=1)
+    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+    runs = {}
+    for loss_type, scale in (('ce', 0.1), ('tv', 0.1), ('e2e_tv', 0.1), ('tv', 0.0)):
+        with single_process():
+            model = build_gpt_with_mtp(
+                vocab_size=vocab, seq_length=s, mtp_num_layers=2, mtp_loss_type=loss_type,
+                mtp_tv_chunk=8, mtp_loss_scaling_factor=scale, tie_embeddings=False,
+            )
+            model.train()
+            kwargs = dict(
+                input_ids=tokens, position_ids=position_ids,
+                attention_mask=causal_attention_mask(s), labels=labels,
+            )
+            if inline:
+                kwargs['mtp_kwargs'] = {'mtp_labels': tokens}
+            loss = model(**kwargs)
+            loss.mean().backward()
+            tracker = MTPLossLoggingHelper.tracker
+            tv_ran = 'tv_alpha_sum' in tracker
+            logged = {}
+
+            class Writer:
+                def add_scalar(self, name, value, iteration):
+                    logged[name] = float(value)
+
+            MTPLossLoggingHelper.track_mtp_metrics(1.0, 1, Writer())
+            mtp_grad = sum(
+                float(p.grad.abs().sum()) for n, p in model.named_parameters()
+                if n.startswith('mtp.') and p.grad is not None
+            )
+            runs[(loss_type, scale)] = dict(
+                main_loss=float(loss.mean()), tv_ran=tv_ran, mtp_grad=mtp_grad,
+                out_grad=model.output_layer.weight.grad.clone(), logged=logged,
+            )
+    ce, tv, e2e, tv0 = (runs[k] for k in (('ce', 0.1), ('tv', 0.1), ('e2e_tv', 0.1), ('tv', 0.0)))
+    assert not ce['tv_ran'] and tv['tv_ran'] and e2e['tv_ran'], 'TV path did not run as expected'
+    assert 'mtp_1_tv_acceptance' in tv['logged'] and 'mtp_expected_accepted_drafts' in e2e['logged']
+    assert ce['main_loss'] == tv['main_loss'] == e2e['main_loss']
+    assert tv['mtp_grad'] > 0 and e2e['mtp_grad'] > 0 and ce['mtp_grad'] > 0
+    detached = torch.equal(tv['out_grad'], tv0['out_grad'])
+    if inline:
+        assert detached, 'miles-main detaches the output layer from the MTP loss'
+    out.update(
+        main_loss=ce['main_loss'],
+        tv_acceptance={k: v for k, v in tv['logged'].items() if 'tv_acceptance' in k},
+        e2e_expected_accepted_drafts=e2e['logged']['mtp_expected_accepted_drafts'],
+        mtp_loss_leaves_output_weight_untouched=detached,
+    )
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('tree', type=Path, help='root of a patched Megatron tree')
+    parser.add_argument('--json', action='store_true')
+    parser.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    tree = args.tree.resolve()
+    if args.child:
+        print('RESULT ' + json.dumps(_child(tree)))
+        return 0
+    if not (tree / 'megatron/core/transformer/mtp_tv/__init__.py').exists():
+        print(f'{tree} is not patched (no megatron/core/transformer/mtp_tv); git apply a patch '
+              'from patches/ first', file=sys.stderr)
+        return 2
+    env = {k: v for k, v in os.environ.items() if k != 'MEGATRON_MTP_TV'}
+    env.update(MTP_TV_MODE='patch', MTP_TV_TREE=str(tree))
+    env['PYTHONPATH'] = os.pathsep.join([str(tree)] + [p for p in [env.get('PYTHONPATH')] if p])
+    res = subprocess.run(
+        [sys.executable, '-W', 'ignore', __file__, str(tree), '--child'],
+        env=env, capture_output=True, text=True, cwd=tree,
+    )
+    lines = [l for l in res.stdout.splitlines() if l.startswith('RESULT ')]
+    if res.returncode or not lines:
+        print(res.stdout[-5000:] + res.stderr[-8000:], file=sys.stderr)
+        print(f'FAILED on {tree}', file=sys.stderr)
+        return 1
+    result = json.loads(lines[-1][len('RESULT '):])
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f'OK: {tree}')
+        for key, value in result.items():
+            print(f'  {key}: {value}')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
