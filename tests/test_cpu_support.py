@@ -22,12 +22,23 @@ def _batch(seed=0, batch=BATCH, seq=SEQ, vocab=VOCAB):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask
 
 
-def _train_step(rank, sequence_parallel):
+# TP=2 variants -> the TP=1 variant they must reproduce. "swiglu" has the fc1 weight sharded
+# with partition_stride 2 (interleaved gate/up halves), which gather_tp_params must undo.
+TP_VARIANTS = {
+    "no_sp": ({}, "no_sp"),
+    "sp": ({"sequence_parallel": True}, "no_sp"),
+    "swiglu": ({"gated_linear_unit": True, "activation_func": "silu"}, "swiglu"),
+}
+
+
+def _train_step(rank, variant):
     """Build, run forward+backward with the mean masked loss, return (loss [b,s], params)."""
+    kwargs = dict(TP_VARIANTS[variant][0])
+    if kwargs.get("activation_func") == "silu":
+        kwargs["activation_func"] = torch.nn.functional.silu
     tokens, labels, mask = _batch()
     model = models.build_gpt_with_mtp(
-        vocab_size=VOCAB, hidden_size=HIDDEN, seq_length=SEQ, mtp_num_layers=DEPTHS,
-        sequence_parallel=sequence_parallel,
+        vocab_size=VOCAB, hidden_size=HIDDEN, seq_length=SEQ, mtp_num_layers=DEPTHS, **kwargs
     )
     loss = models.forward_loss(model, tokens, labels, mask)
     ((loss * mask).sum() / mask.sum()).backward()
@@ -36,7 +47,7 @@ def _train_step(rank, sequence_parallel):
 
 
 def _tp2_worker(rank):
-    return {sp: _train_step(rank, sp) for sp in (False, True)}
+    return {variant: _train_step(rank, variant) for variant in TP_VARIANTS}
 
 
 def _raise_on_rank_1(rank):
@@ -172,8 +183,11 @@ def test_same_seed_same_weights(megatron_cpu):
 
 
 @pytest.fixture(scope="module")
-def tp1_reference():
-    return distributed.run_single_process(_train_step, False)
+def tp1_references():
+    return {
+        variant: distributed.run_single_process(_train_step, variant)
+        for variant in {reference for _, reference in TP_VARIANTS.values()}
+    }
 
 
 @pytest.fixture(scope="module")
@@ -181,16 +195,18 @@ def tp2_results():
     return distributed.spawn(_tp2_worker, 2, tp=2)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["no_sp", "sp"])
-def test_tp2_matches_tp1(tp1_reference, tp2_results, sequence_parallel):
-    ref_loss, ref_params = tp1_reference
-    for rank, by_sp in enumerate(tp2_results):
-        loss, params = by_sp[sequence_parallel]
+@pytest.mark.parametrize("variant", list(TP_VARIANTS))
+def test_tp2_matches_tp1(tp1_references, tp2_results, variant):
+    ref_loss, ref_params = tp1_references[TP_VARIANTS[variant][1]]
+    for rank, by_variant in enumerate(tp2_results):
+        loss, params = by_variant[variant]
         assert torch.allclose(loss, ref_loss, atol=TOL), (rank, (loss - ref_loss).abs().max())
         assert models.compare_gathered(ref_params, params, atol=TOL, rtol=TOL) == [], rank
         # The comparison covers sharded params of every kind, with their grads.
         assert params["embedding.word_embeddings.weight"].data.shape == (VOCAB, HIDDEN)
         assert params["mtp.layers.1.eh_proj.weight"].grad.shape == (HIDDEN, 2 * HIDDEN)
+        fc1 = params["decoder.layers.0.mlp.linear_fc1.weight"].data.shape
+        assert fc1 == ((8 if variant == "swiglu" else 4) * HIDDEN, HIDDEN)
 
 
 def test_spawn_returns_results_by_rank_with_groups():
