@@ -5,7 +5,26 @@
 `megatron/mtp_tv`. There must be no `megatron/__init__.py` here either.
 """
 
+import os
+
 from setuptools import find_namespace_packages, setup
+from setuptools.command.build_py import build_py
+
+# The opt-in start-up hook (megatron/mtp_tv/startup_hook.py): one .pth line in site-packages that
+# installs the plugin at interpreter start-up only when MEGATRON_MTP_TV=1. Regular installs get
+# it here; editable installs run `python -m megatron.mtp_tv.startup_hook install`. The file's
+# one line equals startup_hook.PTH_LINE (tests/test_launch.py checks it).
+PTH = "megatron_mtp_tv.pth"
+
+
+class build_py_with_pth(build_py):
+    def run(self):
+        super().run()
+        self.copy_file(PTH, os.path.join(self.build_lib, PTH))
+
+    def get_outputs(self, include_bytecode=1):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
+
 
 setup(
     name="megatron-mtp-tv",
@@ -19,4 +38,5 @@ setup(
     # Exact versions live in requirements.txt; here only what the package needs at run time.
     install_requires=["torch", "megatron-core"],
     zip_safe=False,
+    cmdclass={"build_py": build_py_with_pth},
 )

@@ -138,6 +138,10 @@ def test_startup_hook_line(tmp_path):
     assert on.stdout.split() == ['True', 'True'], on.stderr[-3000:]
 
 
+def test_setup_py_ships_the_same_pth_line():
+    assert (ROOT / startup_hook.PTH_NAME).read_text() == startup_hook.PTH_LINE
+
+
 def test_startup_hook_cli_writes_and_removes_the_pth(tmp_path, capsys):
     assert startup_hook._cli(['install', '--site-packages', str(tmp_path)]) == 0
     assert (tmp_path / startup_hook.PTH_NAME).read_text() == startup_hook.PTH_LINE

@@ -19,8 +19,11 @@ Turn it off with ``unset MEGATRON_MTP_TV`` (or ``MEGATRON_MTP_TV=0``); remove th
     python -m megatron.mtp_tv.startup_hook uninstall   # remove it
     python -m megatron.mtp_tv.startup_hook status
 
-If ``install()`` fails at start-up (e.g. megatron-core missing), one line goes to stderr and the
-program runs without the plugin; it then fails on the first ``--mtp-loss-type`` flag.
+``pip install <this repo>`` puts the file in site-packages (setup.py); an editable install does
+not, run ``install`` above once. If the plugin cannot be installed at start-up (torch or
+megatron-core missing, an incompatible megatron-core), the program still runs, without the
+plugin: ``site`` prints the traceback (or, for a failing ``install()``, one line) to stderr, and
+the program then fails on its first ``--mtp-loss-type`` flag.
 
 Plugin-only: patches do not carry this module.
 """
