@@ -1,0 +1,334 @@
+#!/usr/bin/env python
+"""Graft-and-heal on CPU: what TV training does for drafted MTP heads, measured by acceptance.
+
+A tiny megatron-core GPTModel with MTP heads (the real Megatron loss path, with the
+``megatron.mtp_tv`` plugin) goes through the life of a grafted draft head:
+
+1. pretrain backbone + MTP heads jointly with cross-entropy on domain A (Python stdlib code);
+2. drift: fine-tune the backbone alone (a model without MTP heads) on domain B (English Python
+   docs), then graft the pretrained heads back on -- the situation of an official MTP head
+   grafted onto an SFT'd or RL'd model;
+3. heal: from the same drifted weights and with the same budget and batches, train only the heads
+   (backbone frozen, ``mtp_detach_heads``) with ``mtp_loss_type`` 'ce', 'tv' and 'e2e_tv';
+4. measure on held-out domain-B text, at a few points while healing: teacher-forced per-depth
+   acceptance ``alpha = sum min(p, q)`` and the accepted drafts per verify step it predicts, next to
+   the number counted in real speculative decoding (heads draft ``gamma`` tokens from their own
+   samples, the main model verifies by rejection sampling at temperature 1).
+
+Writes ``results.json`` (every number and setting) and ``acceptance.png`` to ``--out-dir`` and
+prints the table. Defaults finish in a few minutes on two CPU cores; deterministic for a seed.
+
+    .venv/bin/python examples/cpu_demo.py                       # the default experiment
+    .venv/bin/python examples/cpu_demo.py --corpus-b my.txt     # drift/heal on your own text
+"""
+
+import argparse
+import importlib.util
+import os
+import platform
+import resource
+import sys
+import time
+from typing import Dict, List, Optional
+
+ARMS = ('ce', 'tv', 'e2e_tv')
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors as one clear line (not the whole usage block), exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f'{self.prog}: error: {message}\n(run {self.prog} --help for all options)\n')
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog='cpu_demo.py',
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group('experiment')
+    g.add_argument('--steps-pretrain', type=int, default=600, help='phase 1 steps (CE, domain A)')
+    g.add_argument('--steps-drift', type=int, default=300, help='phase 2 steps (backbone, domain B)')
+    g.add_argument('--steps-heal', type=int, default=200, help='phase 3 steps per arm (heads only)')
+    g.add_argument('--arms', default=','.join(ARMS),
+                   help=f'comma-separated healing losses, from {",".join(ARMS)}')
+    g.add_argument('--lr', type=float, default=2e-3, help='peak learning rate, phases 1 and 2')
+    g.add_argument('--heal-lr', type=float, default=1e-3, help='peak learning rate, phase 3')
+    g.add_argument('--pretrain-mtp-scale', type=float, default=0.3,
+                   help='mtp_loss_scaling_factor of the joint pretraining')
+    g.add_argument('--seed', type=int, default=0, help='seeds weights, data order and sampling')
+    m = p.add_argument_group('model')
+    m.add_argument('--hidden-size', type=int, default=64)
+    m.add_argument('--num-layers', type=int, default=2, help='decoder layers of the backbone')
+    m.add_argument('--num-attention-heads', type=int, default=4)
+    m.add_argument('--mtp-num-layers', type=int, default=3, help='MTP depths (draft heads)')
+    m.add_argument('--seq-length', type=int, default=64)
+    m.add_argument('--batch-size', type=int, default=16)
+    d = p.add_argument_group('data')
+    d.add_argument('--corpus-a', default=None,
+                   help='text file for pretraining (default: the Python stdlib *.py sources)')
+    d.add_argument('--corpus-b', default=None,
+                   help='text file for drift, healing and evaluation '
+                        '(default: pydoc_data.topics, the English docs)')
+    e = p.add_argument_group('evaluation')
+    e.add_argument('--gamma', type=int, default=None,
+                   help='drafts per verify step, <= --mtp-num-layers (default: all depths)')
+    e.add_argument('--eval-prompts', type=int, default=512,
+                   help='held-out prompts (one verify step each) per evaluation')
+    e.add_argument('--tf-windows', type=int, default=128,
+                   help='held-out windows for the teacher-forced alpha')
+    e.add_argument('--eval-points', type=int, default=4,
+                   help='evaluations while healing each arm (evenly spaced, the last at the end)')
+    o = p.add_argument_group('output')
+    o.add_argument('--out-dir', default=os.path.join('out', 'cpu_demo'))
+    o.add_argument('--threads', type=int, default=1,
+                   help='torch threads. 1 is about as fast for this tiny model (per-op overhead '
+                        'dominates), keeps the numbers independent of the core count and is much '
+                        'faster than 2 on a busy machine')
+    o.add_argument('--no-plot', action='store_true', help='skip the PNG')
+    return p
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Parse and validate; every bad value exits with status 2 and a message naming it."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    arms = [a.strip() for a in args.arms.split(',') if a.strip()]
+    bad = [a for a in arms if a not in ARMS]
+    if bad or not arms:
+        parser.error(f'--arms {args.arms!r}: unknown {bad}; choose from {",".join(ARMS)}')
+    if len(set(arms)) != len(arms):
+        parser.error(f'--arms {args.arms!r} names an arm twice')
+    args.arms = arms
+    for name in ('steps_pretrain', 'steps_drift'):
+        if getattr(args, name) < 0:
+            parser.error(f'--{name.replace("_", "-")} must be >= 0')
+    for name in ('steps_heal', 'hidden_size', 'num_layers', 'num_attention_heads',
+                 'mtp_num_layers', 'batch_size', 'eval_prompts', 'tf_windows', 'eval_points'):
+        if getattr(args, name) < 1:
+            parser.error(f'--{name.replace("_", "-")} must be >= 1, got {getattr(args, name)}')
+    if args.eval_prompts < 2 or args.tf_windows < 2:
+        parser.error('--eval-prompts and --tf-windows must be >= 2 (for a standard error)')
+    if args.hidden_size % args.num_attention_heads:
+        parser.error(f'--hidden-size {args.hidden_size} must be divisible by '
+                     f'--num-attention-heads {args.num_attention_heads}')
+    if args.gamma is None:
+        args.gamma = args.mtp_num_layers
+    if args.gamma < 1:
+        parser.error(f'--gamma must be >= 1, got {args.gamma}')
+    if args.gamma > args.mtp_num_layers:
+        parser.error(
+            f'--gamma {args.gamma} is larger than the model\'s MTP depth (--mtp-num-layers '
+            f'{args.mtp_num_layers}): each drafted token needs its own MTP head'
+        )
+    if args.seq_length < args.gamma + 4:
+        parser.error(f'--seq-length {args.seq_length} is too short for gamma={args.gamma} '
+                     f'(needs >= gamma + 4 = {args.gamma + 4})')
+    if args.eval_points > args.steps_heal:
+        parser.error(f'--eval-points {args.eval_points} exceeds --steps-heal {args.steps_heal}')
+    if args.lr <= 0 or args.heal_lr <= 0:
+        parser.error('--lr and --heal-lr must be > 0')
+    if args.threads < 1:
+        parser.error('--threads must be >= 1')
+    from cpu_demo_lib.corpus import CorpusError, load_corpus, read_text_file
+
+    try:  # before importing torch and Megatron, so a bad path fails in a fraction of a second
+        for path in (args.corpus_a, args.corpus_b):
+            if path is not None:
+                read_text_file(path)
+        args.corpus_a_data = load_corpus('A', args.corpus_a, 'stdlib', args.seq_length + 1)
+        args.corpus_b_data = load_corpus('B', args.corpus_b, 'pydoc', args.seq_length + 1)
+    except CorpusError as err:
+        parser.error(str(err))
+    return args
+
+
+def _ensure_importable() -> None:
+    """Let a plain checkout run this file before ``pip install -e .`` (repo root on sys.path)."""
+    if importlib.util.find_spec('megatron') is None or importlib.util.find_spec('megatron.mtp_tv') is None:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(args: argparse.Namespace) -> Dict:
+    """The experiment; returns everything that goes into results.json."""
+    import torch
+
+    from megatron.mtp_tv.testing.cpu import quiet_megatron_warnings
+
+    quiet_megatron_warnings()
+    import megatron.mtp_tv
+    from megatron.mtp_tv.metrics import acceptance_metrics
+    from megatron.mtp_tv.testing.distributed import single_process
+
+    from cpu_demo_lib import corpus as C
+    from cpu_demo_lib import evaluate as E
+    from cpu_demo_lib import model as M
+    from cpu_demo_lib.progress import Progress
+
+    megatron.mtp_tv.install()
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+    started, cpu_started = time.monotonic(), _cpu_seconds()
+    timings: Dict[str, float] = {}
+    domain_a, domain_b = args.corpus_a_data, args.corpus_b_data
+    gamma, seed = args.gamma, args.seed
+    spec = M.ModelSpec(args.hidden_size, args.num_layers, args.mtp_num_layers, args.seq_length,
+                       args.num_attention_heads, seed)
+
+    # Held-out evaluation set: fixed for the whole run, so every model sees the same prompts.
+    eval_gen = torch.Generator().manual_seed(seed * 1000 + 1)
+    eval_windows = C.windows(domain_b.held_out, max(args.eval_prompts, args.tf_windows),
+                             args.seq_length, eval_gen)
+    tf_windows = eval_windows[: args.tf_windows]
+    prompts = eval_windows[: args.eval_prompts, : args.seq_length - 1 - gamma]
+    evaluations: List[Dict] = []
+
+    def evaluate(model, arm: str, step: int, train_alpha=None) -> Dict:
+        t0 = time.monotonic()
+        record = {
+            'arm': arm, 'step': step,
+            'teacher_forced': E.teacher_forced(model, tf_windows, gamma),
+            'speculative': E.speculative_decoding(model, prompts, gamma, seed=seed * 1000 + 7),
+        }
+        if train_alpha:
+            record['plugin_train_metrics'] = train_alpha
+        timings['evaluation'] = timings.get('evaluation', 0.0) + time.monotonic() - t0
+        evaluations.append(record)
+        return record
+
+    def train(model, part: str, batches, steps: int, lr: float, label: str, eval_at=(), arm=None):
+        params = M.set_trainable(model, part)
+        optimizer, schedule = M.make_optimizer(params, lr, steps)
+        t0 = time.monotonic()
+        with Progress(label, steps) as bar:
+            for step in range(1, steps + 1):
+                tokens, labels = batches.next()
+                loss = M.train_step(model, optimizer, tokens, labels)
+                schedule.step()
+                mtp = M.mtp_tracker_losses()
+                info = {'loss': loss}
+                if mtp is not None and getattr(model, 'mtp', None) is not None:
+                    info['mtp'] = float(mtp.mean())
+                bar.update(**info)
+                if step in eval_at:
+                    metrics = {k: float(v) for k, v in acceptance_metrics().items()}
+                    timings[label] = timings.get(label, 0.0) + time.monotonic() - t0
+                    evaluate(model, arm, step, metrics)
+                    t0 = time.monotonic()
+        timings[label] = timings.get(label, 0.0) + time.monotonic() - t0
+
+    with single_process(seed=seed):
+        # 1. Pretrain backbone + heads jointly with CE on domain A.
+        model = M.build_model(spec, M.phase_overrides('pretrain', 'ce', args.pretrain_mtp_scale))
+        train(model, 'all', C.Batches(domain_a.train, args.batch_size, args.seq_length, seed * 1000 + 2),
+              args.steps_pretrain, args.lr, 'pretrain (A)')
+        with Progress('eval pretrained', 1) as bar:
+            evaluate(model, 'pretrained', 0)
+            bar.update()
+        pretrained = model.state_dict()
+        # 2. Drift: the backbone alone (a model without MTP heads) fine-tuned on domain B.
+        model = M.build_model(spec, M.phase_overrides('drift', 'ce', args.pretrain_mtp_scale),
+                              {k: v for k, v in pretrained.items() if not k.startswith('mtp.')})
+        train(model, 'all', C.Batches(domain_b.train, args.batch_size, args.seq_length,
+                                      seed * 1000 + 3),
+              args.steps_drift, args.lr, 'drift (B)')
+        # Graft the pretrained heads onto the drifted backbone.
+        drifted = M.graft(model.state_dict(), pretrained)
+        model = M.build_model(spec, M.phase_overrides('heal', 'ce', args.pretrain_mtp_scale),
+                              drifted)
+        with Progress('eval drifted', 1) as bar:
+            evaluate(model, 'drifted', 0)
+            bar.update()
+        # 3. Heal: every arm from the same drifted weights, same batches, same budget.
+        eval_at = sorted({round(args.steps_heal * i / args.eval_points)
+                          for i in range(1, args.eval_points + 1)})
+        for arm in args.arms:
+            model = M.build_model(spec, M.phase_overrides('heal', arm, args.pretrain_mtp_scale),
+                                  drifted)
+            acceptance_metrics()  # start the plugin's training-time statistics afresh
+            train(model, 'heads', C.Batches(domain_b.train, args.batch_size, args.seq_length,
+                                            seed * 1000 + 4),
+                  args.steps_heal, args.heal_lr, f'heal {arm}', eval_at=eval_at, arm=arm)
+
+    timings['total_wall_s'] = time.monotonic() - started
+    timings['total_cpu_s'] = _cpu_seconds() - cpu_started
+    return {
+        'evaluations': evaluations,
+        'eval_steps': eval_at,
+        'timings_s': timings,
+        'torch_threads': torch.get_num_threads(),
+        'torch_version': torch.__version__,
+    }
+
+
+def settings(args: argparse.Namespace) -> Dict:
+    keys = ('steps_pretrain', 'steps_drift', 'steps_heal', 'arms', 'lr', 'heal_lr',
+            'pretrain_mtp_scale', 'seed', 'hidden_size', 'num_layers', 'num_attention_heads',
+            'mtp_num_layers', 'seq_length', 'batch_size', 'gamma', 'eval_prompts', 'tf_windows',
+            'eval_points', 'threads')
+    out = {k: getattr(args, k) for k in keys}
+    out['vocab'] = 'bytes (256)'
+    out['prompt_length'] = args.seq_length - 1 - args.gamma
+    out['temperature'] = 1.0
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cpu_demo_lib
+    args = parse_args(argv)
+    _ensure_importable()
+    wall_start = time.monotonic()
+    result = run(args)
+    from cpu_demo_lib import report as R
+
+    rows = R.table_rows(result['evaluations'], args.arms, args.steps_heal)
+    table = R.format_table(rows, args.gamma)
+    payload = {
+        'settings': settings(args),
+        'corpora': {'A': args.corpus_a_data.describe(), 'B': args.corpus_b_data.describe()},
+        'table': [{k: v for k, v in row.items() if k not in ('speculative',)} | {
+            'speculative': {k: v for k, v in row['speculative'].items() if k != 'per_prompt'}}
+            for row in rows],
+        **result,
+        'python': platform.python_version(),
+        'machine': platform.machine(),
+        'cpu_count': os.cpu_count(),
+    }
+    out_dir = os.path.abspath(args.out_dir)
+    json_path = os.path.join(out_dir, 'results.json')
+    png_path = os.path.join(out_dir, 'acceptance.png')
+    skipped = None
+    if not args.no_plot:
+        skipped = R.plot(png_path, result['evaluations'], args.arms, args.gamma,
+                         title=f"seed {args.seed}, gamma {args.gamma}, hidden {args.hidden_size}, "
+                               f"{args.num_layers}+{args.mtp_num_layers} layers, heal "
+                               f"{args.steps_heal} steps per arm, {args.eval_prompts} prompts")
+    payload['timings_s']['including_report_s'] = time.monotonic() - wall_start
+    R.write_json(json_path, payload)
+
+    print()
+    print(f'Accepted drafts per verify step on held-out domain B (gamma={args.gamma}, '
+          f'{args.eval_prompts} prompts, {args.steps_heal} healing steps per arm):')
+    print(table)
+    print(R.TABLE_NOTE)
+    t = payload['timings_s']
+    print(f"\nwall {t['total_wall_s']:.0f}s (cpu {t['total_cpu_s']:.0f}s, "
+          f"{result['torch_threads']} torch threads)")
+    print(f'results: {json_path}')
+    if args.no_plot:
+        print('plot: skipped (--no-plot)')
+    elif skipped:
+        print(f'plot: skipped, {skipped}')
+    else:
+        print(f'plot: {png_path}')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
