@@ -4,8 +4,8 @@
   ``pip install -e .`` (``megatron`` is a namespace package: the checkout's ``megatron/mtp_tv`` and
   site-packages' ``megatron/core`` combine).
 * megatron-core's CPU-irrelevant warnings are silenced (see ``quiet_megatron_warnings``).
-* Every test starts and ends without megatron parallel state, MTP logging tracker contents or a
-  leftover process group, whatever the previous test did.
+* Every test starts and ends without megatron parallel state, MTP logging tracker contents, a
+  leftover process group or the CPU shims applied, whatever the previous test did.
 * Fixture ``megatron_cpu``: the body of the test runs inside ``single_process()`` (gloo world of
   one, TP=CP=1, CPU shims, seeded).
 
@@ -35,6 +35,11 @@ quiet_megatron_warnings()
 
 
 def _reset_if_megatron_loaded():
+    from megatron.mtp_tv.testing.cpu import cpu_shims_applied, remove_cpu_shims
+
+    # A test that applied the CPU shims itself: restore torch.cuda for the next (maybe GPU) test.
+    if cpu_shims_applied():
+        remove_cpu_shims()
     # Only when a test imported megatron: importing it just to reset costs seconds.
     if "megatron.core.parallel_state" not in sys.modules:
         return

@@ -90,7 +90,8 @@ def _cp_roll_worker(rank, full, cu_seqlens):
 # single process
 
 
-def test_shims_are_idempotent_and_target_cpu():
+def test_shims_are_idempotent_target_cpu_and_undo():
+    original_current_device = torch.cuda.current_device
     cpu.apply_cpu_shims()
     count = len(cpu._PATCHES)
     cpu.apply_cpu_shims()
@@ -99,6 +100,8 @@ def test_shims_are_idempotent_and_target_cpu():
     from megatron.core.transformer.utils import get_default_causal_mask
 
     assert torch.equal(get_default_causal_mask(4), cpu.causal_attention_mask(4)[0, 0])
+    cpu.remove_cpu_shims()
+    assert torch.cuda.current_device is original_current_device and not cpu.cpu_shims_applied()
 
 
 def test_gpt_with_mtp_forward_backward_on_cpu(megatron_cpu):
@@ -166,6 +169,7 @@ def test_single_process_is_reentrant_and_cleans_up():
             MTPLossLoggingHelper.tracker["loss_values"] = torch.ones(1)
         assert not ps.model_parallel_is_initialized()
         assert not dist.is_initialized()
+        assert not cpu.cpu_shims_applied()  # torch.cuda is left as it was found
         assert MTPLossLoggingHelper.tracker == {}
     assert distributed.run_single_process(lambda rank, x: (rank, x), 5) == (0, 5)
 

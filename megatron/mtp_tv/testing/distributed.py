@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 
-from megatron.mtp_tv.testing.cpu import apply_cpu_shims
+from megatron.mtp_tv.testing.cpu import apply_cpu_shims, cpu_shims_applied, remove_cpu_shims
 
 __all__ = [
     "WorkerError",
@@ -99,12 +99,16 @@ def reset_mtp_tracker() -> None:
 
 def reset_megatron_state() -> None:
     """Reset megatron's process-global state that leaks between tests: the model-parallel groups
-    (and the global memory buffer, which ``destroy_model_parallel`` drops), the MTP logging
-    tracker and the MTP loss auto-scaler's backward scale. Does not touch torch.distributed."""
+    (and the global memory buffer, which ``destroy_model_parallel`` drops), the model-parallel
+    RNG tracker (its states are CPU generator states under the shims), the MTP logging tracker
+    and the MTP loss auto-scaler's backward scale. Does not touch torch.distributed."""
     from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
     parallel_state.destroy_model_parallel()
+    if tp_random._CUDA_RNG_STATE_TRACKER is not None:
+        tp_random._CUDA_RNG_STATE_TRACKER.reset()
     reset_mtp_tracker()
     MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
 
@@ -311,6 +315,7 @@ def spawn(
 
 _SINGLE_DEPTH = 0
 _SINGLE_OWNS_PG = False
+_SINGLE_OWNS_SHIMS = False
 
 
 @contextlib.contextmanager
@@ -318,13 +323,15 @@ def single_process(seed: int = DEFAULT_SEED, timeout: float = DEFAULT_TIMEOUT) -
     """World size 1 in the current process: CPU shims, gloo group, megatron TP=CP=1, seeded RNGs.
 
     Re-entrant: a nested ``single_process`` reuses the outer set-up (and only re-seeds). On the
-    outermost exit the megatron parallel state, the MTP tracker, the MTP loss scale and (if this
-    function created it) the process group are torn down, so consecutive tests start clean.
+    outermost exit the megatron parallel state, the RNG tracker, the MTP tracker, the MTP loss
+    scale and (if this function created them) the process group and the CPU shims are torn down,
+    so consecutive tests start clean. Models built inside are meant to be used inside.
     """
-    global _SINGLE_DEPTH, _SINGLE_OWNS_PG
+    global _SINGLE_DEPTH, _SINGLE_OWNS_PG, _SINGLE_OWNS_SHIMS
     import torch.distributed as dist
 
     if _SINGLE_DEPTH == 0:
+        _SINGLE_OWNS_SHIMS = not cpu_shims_applied()
         apply_cpu_shims()
         owns_pg = not dist.is_initialized()
         if owns_pg:
@@ -353,6 +360,11 @@ def single_process(seed: int = DEFAULT_SEED, timeout: float = DEFAULT_TIMEOUT) -
         if _SINGLE_DEPTH == 0:
             _teardown(owns_process_group=_SINGLE_OWNS_PG)
             _SINGLE_OWNS_PG = False
+            if _SINGLE_OWNS_SHIMS:
+                # Leave torch.cuda as we found it: a later GPU test in the same process needs
+                # the real current_device / RNG functions.
+                remove_cpu_shims()
+                _SINGLE_OWNS_SHIMS = False
 
 
 def run_single_process(fn: Callable[..., Any], *args: Any, seed: int = DEFAULT_SEED) -> Any:
