@@ -21,8 +21,18 @@ reason given next to it:
   grads over TP. We allow sequence parallel, tag the params the same way, and
   :func:`allreduce_sequence_parallel_grads` does the all-reduce for runs that have no
   ``finalize_model_grads`` (our tests call it after ``backward()``).
+* ``DotProductAttention`` (the local, non-TE attention) asserts ``packed_seq_params is None``:
+  THD-packed batches need TE's fused attention. A packed row (batch 1) is plain attention with a
+  block-diagonal causal mask, so when ``packed_seq_params`` (format ``thd``) is given we build
+  that mask from ``cu_seqlens_q_padded`` (or ``cu_seqlens_q``) and call the original without it.
+  The rest of the model (rope with ``cu_seqlens``, the MTP ``roll_tensor``,
+  ``process_mtp_loss``) then runs its real packed-sequence code on CPU. Context parallelism > 1
+  still cannot run the whole model (the local attention asserts CP == 1); ``roll_tensor`` and
+  ``process_mtp_loss`` run with a CP group of 2 on their own.
 
-Every patch is process-wide and idempotent. Do not call this in a process that should use a GPU.
+Every patch is process-wide and idempotent, and :func:`remove_cpu_shims` undoes them all
+(:func:`~megatron.mtp_tv.testing.distributed.single_process` does so on exit). Do not leave them
+applied in a process that should use a GPU.
 """
 
 from __future__ import annotations
@@ -211,7 +221,7 @@ def apply_cpu_shims() -> None:
 
 
 def remove_cpu_shims() -> None:
-    """Undo :func:`apply_cpu_shims` (for completeness; tests normally keep the shims)."""
+    """Undo :func:`apply_cpu_shims`: restore every patched attribute (no-op if none)."""
     with _LOCK:
         while _PATCHES:
             owner, name, original = _PATCHES.pop()
