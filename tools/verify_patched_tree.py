@@ -9,8 +9,11 @@ Everything runs in a child process with only the tree on ``PYTHONPATH`` for Mega
 is not installed; ``megatron.mtp_tv`` resolves to the tree's ``megatron.core.transformer.mtp_tv``,
 see tests/patch_mode.py; only the CPU test support comes from this checkout):
 
-1. ``TransformerConfig`` has the fields natively and validates them;
-2. the tree's own ``parse_args`` knows ``--mtp-loss-type``/``--mtp-tv-chunk`` and
+1. ``TransformerConfig`` has the fields natively and validates them, and the tree's
+   ``pyproject.toml`` package list includes ``megatron.core.transformer.mtp_tv`` (so a pip install
+   of the patched tree carries it);
+2. the tree's own ``parse_args``, driven as miles drives it (``extra_args_provider`` resetting
+   MTP defaults with miles' ``reset_arg``), knows ``--mtp-loss-type``/``--mtp-tv-chunk`` and
    ``core_transformer_config_from_args`` carries them into the config (skipped with the reason
    if the tree's ``megatron.training`` cannot be imported here, e.g. a missing ``six``);
 3. a tiny ``GPTModel`` with 2 MTP depths (local spec, CPU, gloo world of one) runs forward and
@@ -20,6 +23,9 @@ see tests/patch_mode.py; only the CPU test support comes from this checkout):
    metrics appear in Megatron's tracker and are logged by ``track_mtp_metrics``), the MTP layers
    get gradients, the main loss is the same for all three, and on trees whose MTP loss detaches
    the output layer (miles-main) the TV loss leaves the output weight's gradient unchanged.
+
+With ``--pristine <unpatched checkout of the same commit>``, also: one ``'ce'`` training step gives
+bit-identical losses and gradients on the patched and the pristine tree.
 
 Exit status 0 when every check passed. ``--json`` prints the results as JSON.
 """
@@ -58,35 +64,60 @@ def _child(tree: Path) -> dict:
         pass
     results['config_fields'] = 'ok'
 
+    results['packaging'] = _check_packaging(tree)
     results['cli'] = _check_cli()
     results['model'] = _check_model()
     return results
 
 
+def _check_packaging(tree: Path) -> str:
+    """The tree's own setuptools package list (pyproject.toml) includes the new package."""
+    pyproject = tree / 'pyproject.toml'
+    if not pyproject.exists():
+        return 'skipped: no pyproject.toml (an unpacked wheel already is the installed layout)'
+    import tomllib
+
+    import setuptools
+
+    find = tomllib.loads(pyproject.read_text())['tool']['setuptools']['packages']['find']
+    finder = setuptools.find_namespace_packages if find.get('namespaces', True) else setuptools.find_packages
+    packages = finder(where=str(tree), include=find.get('include', ['*']), exclude=find.get('exclude', ()))
+    assert 'megatron.core.transformer.mtp_tv' in packages, 'pip install of the tree would drop mtp_tv'
+    return 'ok: pyproject.toml packages include megatron.core.transformer.mtp_tv'
+
+
 def _check_cli():
     try:
         import megatron.training.arguments as arguments
-        from megatron.training.argument_utils import core_transformer_config_from_args
+        import megatron.training.argument_utils as argument_utils
     except ImportError as exc:
         return f'skipped: megatron.training does not import here ({exc})'
+    # argument_utils in megatron-core 0.19.2, arguments in older trees (radixark miles-main)
+    core_transformer_config_from_args = getattr(
+        argument_utils, 'core_transformer_config_from_args', None
+    ) or getattr(arguments, 'core_transformer_config_from_args')
     sys.argv = [
         'pretrain_gpt.py', '--num-layers', '2', '--hidden-size', '64', '--num-attention-heads', '4',
         '--seq-length', '128', '--max-position-embeddings', '128',
         '--position-embedding-type', 'rope', '--micro-batch-size', '1', '--global-batch-size', '8',
         '--train-iters', '10', '--lr', '1e-4', '--mock-data', '--tokenizer-type', 'NullTokenizer',
-        '--vocab-size', '1000', '--mtp-num-layers', '1', '--mtp-loss-type', 'tv',
-        '--mtp-tv-chunk', '512',
+        '--vocab-size', '1000', '--enable-mtp-training', '--mtp-num-layers', '1',
+        '--mtp-loss-type', 'tv', '--mtp-tv-chunk', '512',
     ]
     os.environ.setdefault('WORLD_SIZE', '1')
     os.environ.setdefault('RANK', '0')
-    args = arguments.parse_args()
+    from megatron_args import miles_extra_args_provider  # tests/: what miles' provider does
+
+    args = arguments.parse_args(extra_args_provider=miles_extra_args_provider)
     if hasattr(arguments, 'get_device_arch_version'):
         arguments.get_device_arch_version = lambda: 9  # no GPU here
     arguments.validate_args(args)
     args.apply_rope_fusion = False  # needs Transformer Engine
     config = core_transformer_config_from_args(args)
     assert (config.mtp_loss_type, config.mtp_tv_chunk) == ('tv', 512), config
-    return 'ok: --mtp-loss-type tv --mtp-tv-chunk 512 reached TransformerConfig'
+    assert args.enable_mtp_training and config.mtp_loss_scaling_factor == 0.2
+    return ('ok: --mtp-loss-type tv --mtp-tv-chunk 512 reached TransformerConfig through '
+            'parse_args(extra_args_provider=<miles-style reset_arg provider>)')
 
 
 def _check_model():
@@ -157,15 +188,82 @@ def _check_model():
     return out
 
 
+def _ce_fingerprint(patched: bool) -> dict:
+    """Main loss and every gradient of one 'ce' training step, for the bit-identity check."""
+    import inspect
+
+    import torch
+
+    if patched:
+        sys.path.insert(0, str(REPO / 'tests'))
+        import patch_mode
+
+        patch_mode.activate()
+    else:  # the pristine tree first, this checkout's test support after it
+        sys.path.insert(1, str(REPO))
+    from megatron.core.models.gpt import gpt_model
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.mtp_tv.testing.cpu import causal_attention_mask
+    from megatron.mtp_tv.testing.distributed import single_process
+    from megatron.mtp_tv.testing.models import build_gpt_with_mtp
+
+    root = Path(sys.argv[1]).resolve()
+    assert Path(gpt_model.__file__).resolve().is_relative_to(root), gpt_model.__file__
+    inline = 'mtp_kwargs' in inspect.signature(GPTModel.forward).parameters
+    torch.manual_seed(0)
+    b, s, vocab = 2, 16, 128
+    tokens = torch.randint(0, vocab, (b, s))
+    with single_process():
+        model = build_gpt_with_mtp(vocab_size=vocab, seq_length=s, mtp_num_layers=2,
+                                   tie_embeddings=False)
+        model.train()
+        kwargs = dict(input_ids=tokens, position_ids=torch.arange(s).unsqueeze(0).expand(b, s),
+                      attention_mask=causal_attention_mask(s), labels=torch.roll(tokens, -1, 1))
+        if inline:
+            kwargs['mtp_kwargs'] = {'mtp_labels': tokens}
+        loss = model(**kwargs)
+        loss.mean().backward()
+        return {
+            'loss': loss.detach().flatten().tolist(),
+            'grads': {n: p.grad.flatten().tolist() for n, p in model.named_parameters()
+                      if p.grad is not None},
+        }
+
+
+def compare_ce(tree: Path, pristine: Path) -> bool:
+    """'ce' on the patched tree is bit-identical to the pristine tree."""
+    prints = []
+    for root, flag in ((tree, '--child-ce-patched'), (pristine, '--child-ce-pristine')):
+        env = {k: v for k, v in os.environ.items() if k != 'MEGATRON_MTP_TV'}
+        env.update(MTP_TV_MODE='patch' if root == tree else 'plugin', MTP_TV_TREE=str(tree))
+        env['PYTHONPATH'] = os.pathsep.join([str(root)] + [p for p in [env.get('PYTHONPATH')] if p])
+        res = subprocess.run([sys.executable, '-W', 'ignore', __file__, str(root), flag],
+                             env=env, capture_output=True, text=True, cwd=root)
+        lines = [l for l in res.stdout.splitlines() if l.startswith('RESULT ')]
+        if res.returncode or not lines:
+            print(res.stdout[-3000:] + res.stderr[-5000:], file=sys.stderr)
+            return False
+        prints.append(json.loads(lines[-1][len('RESULT '):]))
+    return prints[0] == prints[1] and len(prints[0]['grads']) > 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('tree', type=Path, help='root of a patched Megatron tree')
     parser.add_argument('--json', action='store_true')
+    parser.add_argument('--pristine', type=Path,
+                        help='an unpatched checkout of the same commit: also check that '
+                        "mtp_loss_type='ce' gives bit-identical losses and gradients")
     parser.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
+    parser.add_argument('--child-ce-patched', action='store_true', help=argparse.SUPPRESS)
+    parser.add_argument('--child-ce-pristine', action='store_true', help=argparse.SUPPRESS)
     args = parser.parse_args()
     tree = args.tree.resolve()
     if args.child:
         print('RESULT ' + json.dumps(_child(tree)))
+        return 0
+    if args.child_ce_patched or args.child_ce_pristine:
+        print('RESULT ' + json.dumps(_ce_fingerprint(args.child_ce_patched)))
         return 0
     if not (tree / 'megatron/core/transformer/mtp_tv/__init__.py').exists():
         print(f'{tree} is not patched (no megatron/core/transformer/mtp_tv); git apply a patch '
@@ -184,6 +282,12 @@ def main() -> int:
         print(f'FAILED on {tree}', file=sys.stderr)
         return 1
     result = json.loads(lines[-1][len('RESULT '):])
+    if args.pristine:
+        same = compare_ce(tree, args.pristine.resolve())
+        result['ce_bit_identical_to_pristine'] = same
+        if not same:
+            print(f'FAILED: mtp_loss_type=ce differs from {args.pristine}', file=sys.stderr)
+            return 1
     if args.json:
         print(json.dumps(result, indent=2))
     else:
