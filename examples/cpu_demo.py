@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group('experiment')
-    g.add_argument('--steps-pretrain', type=int, default=600, help='phase 1 steps (CE, domain A)')
+    g.add_argument('--steps-pretrain', type=int, default=500, help='phase 1 steps (CE, domain A)')
     g.add_argument('--steps-drift', type=int, default=300, help='phase 2 steps (backbone, domain B)')
     g.add_argument('--steps-heal', type=int, default=200, help='phase 3 steps per arm (heads only)')
     g.add_argument('--arms', default=','.join(ARMS),
@@ -80,10 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument('--gamma', type=int, default=None,
                    help='drafts per verify step, <= --mtp-num-layers (default: all depths)')
     e.add_argument('--eval-prompts', type=int, default=512,
-                   help='held-out prompts (one verify step each) per evaluation')
-    e.add_argument('--tf-windows', type=int, default=128,
-                   help='held-out windows for the teacher-forced alpha')
-    e.add_argument('--eval-points', type=int, default=4,
+                   help='held-out windows per evaluation: each is a prompt for one speculative '
+                        'verify step and a teacher-forced sample')
+    e.add_argument('--eval-points', type=int, default=3,
                    help='evaluations while healing each arm (evenly spaced, the last at the end)')
     o = p.add_argument_group('output')
     o.add_argument('--out-dir', default=os.path.join('out', 'cpu_demo'))
@@ -110,11 +109,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         if getattr(args, name) < 0:
             parser.error(f'--{name.replace("_", "-")} must be >= 0')
     for name in ('steps_heal', 'hidden_size', 'num_layers', 'num_attention_heads',
-                 'mtp_num_layers', 'batch_size', 'eval_prompts', 'tf_windows', 'eval_points'):
+                 'mtp_num_layers', 'batch_size', 'eval_prompts', 'eval_points'):
         if getattr(args, name) < 1:
             parser.error(f'--{name.replace("_", "-")} must be >= 1, got {getattr(args, name)}')
-    if args.eval_prompts < 2 or args.tf_windows < 2:
-        parser.error('--eval-prompts and --tf-windows must be >= 2 (for a standard error)')
+    if args.eval_prompts < 2:
+        parser.error('--eval-prompts must be >= 2 (for a standard error)')
     if args.hidden_size % args.num_attention_heads:
         parser.error(f'--hidden-size {args.hidden_size} must be divisible by '
                      f'--num-attention-heads {args.num_attention_heads}')
@@ -183,17 +182,15 @@ def run(args: argparse.Namespace) -> Dict:
 
     # Held-out evaluation set: fixed for the whole run, so every model sees the same prompts.
     eval_gen = torch.Generator().manual_seed(seed * 1000 + 1)
-    eval_windows = C.windows(domain_b.held_out, max(args.eval_prompts, args.tf_windows),
-                             args.seq_length, eval_gen)
-    tf_windows = eval_windows[: args.tf_windows]
-    prompts = eval_windows[: args.eval_prompts, : args.seq_length - 1 - gamma]
+    eval_windows = C.windows(domain_b.held_out, args.eval_prompts, args.seq_length, eval_gen)
+    prompts = eval_windows[:, : args.seq_length - 1 - gamma]  # the rest is the real continuation
     evaluations: List[Dict] = []
 
     def evaluate(model, arm: str, step: int, train_alpha=None) -> Dict:
         t0 = time.monotonic()
         record = {
             'arm': arm, 'step': step,
-            'teacher_forced': E.teacher_forced(model, tf_windows, gamma),
+            'teacher_forced': E.teacher_forced(model, eval_windows, gamma),
             'speculative': E.speculative_decoding(model, prompts, gamma, seed=seed * 1000 + 7),
         }
         if train_alpha:
@@ -270,8 +267,8 @@ def run(args: argparse.Namespace) -> Dict:
 def settings(args: argparse.Namespace) -> Dict:
     keys = ('steps_pretrain', 'steps_drift', 'steps_heal', 'arms', 'lr', 'heal_lr',
             'pretrain_mtp_scale', 'seed', 'hidden_size', 'num_layers', 'num_attention_heads',
-            'mtp_num_layers', 'seq_length', 'batch_size', 'gamma', 'eval_prompts', 'tf_windows',
-            'eval_points', 'threads')
+            'mtp_num_layers', 'seq_length', 'batch_size', 'gamma', 'eval_prompts', 'eval_points',
+            'threads')
     out = {k: getattr(args, k) for k in keys}
     out['vocab'] = 'bytes (256)'
     out['prompt_length'] = args.seq_length - 1 - args.gamma

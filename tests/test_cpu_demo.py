@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / 'examples'))
 
 TINY = [
     '--steps-pretrain', '6', '--steps-drift', '3', '--steps-heal', '4', '--eval-points', '2',
-    '--eval-prompts', '12', '--tf-windows', '6', '--hidden-size', '16', '--num-layers', '1',
+    '--eval-prompts', '12', '--hidden-size', '16', '--num-layers', '1',
     '--num-attention-heads', '2', '--mtp-num-layers', '2', '--seq-length', '16',
     '--batch-size', '4',
 ]
@@ -59,6 +59,9 @@ def test_smoke_run(tmp_path):
             assert 'mtp_expected_accepted_drafts' in e['plugin_train_metrics']
     assert [row['label'] for row in data['table']][:2] == [
         'pretrained, before drift', 'drifted, no healing']
+    assert 'emp. - pred@n' in res.stdout  # predicted vs empirical, side by side
+    for row in data['table']:
+        assert row['empirical_minus_predicted_at_n']['n'] == 12 and 'vs_ce' in row
     assert data['corpora']['B']['source'].startswith('pydoc_data')
     png = out / 'acceptance.png'
     pytest.importorskip('matplotlib')

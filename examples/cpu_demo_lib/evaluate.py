@@ -49,7 +49,8 @@ def teacher_forced(model, windows: torch.Tensor, gamma: int, batch_size: int = 6
         ``alpha`` (list of gamma mean/se dicts), ``accepted`` (mean/se), both averaged over the
         positions ``t = 0 .. s-1-gamma`` of each window, with standard errors across windows; and
         ``*_at_prompt_end``, the same at the single position ``t = s-2-gamma`` that the
-        speculative run drafts from (same windows), for an apples-to-apples comparison.
+        speculative run drafts from (``windows[:, :s-1-gamma]`` are its prompts), for an
+        apples-to-apples comparison (``accepted_at_prompt_end_per_window`` for paired ones).
     """
     num, seq = windows.shape
     last = seq - 1 - gamma  # last position whose gamma targets all lie inside the window
@@ -79,6 +80,7 @@ def teacher_forced(model, windows: torch.Tensor, gamma: int, batch_size: int = 6
         'accepted': mean_and_se(accepted),
         'alpha_at_prompt_end': [mean_and_se(end_alpha[:, k]) for k in range(gamma)],
         'accepted_at_prompt_end': mean_and_se(end_accepted),
+        'accepted_at_prompt_end_per_window': end_accepted.tolist(),
     }
 
 

@@ -15,6 +15,13 @@ def fmt(stat: Dict, digits: int = 3) -> str:
     return f"{stat['mean']:.{digits}f}±{stat['se']:.{digits}f}"
 
 
+def signed(stat: Optional[Dict], digits: int = 3) -> str:
+    """``+0.271±0.051`` (explicit sign, for differences)."""
+    if stat is None:
+        return 'n/a'
+    return ('+' if stat['mean'] >= 0 else '') + fmt(stat, digits)
+
+
 def paired_difference(a: List[int], b: List[int]) -> Dict:
     """Mean and standard error of ``a - b`` over the same prompts and random numbers."""
     n = len(a)
@@ -33,6 +40,9 @@ def table_rows(evaluations: List[Dict], arms: List[str], heal_steps: int) -> Lis
         rows.append(dict(label=f'healed with {arm!r}', **by_key[(arm, heal_steps)]))
     reference = by_key.get(('ce', heal_steps)) if 'ce' in arms else None
     for row in rows:
+        row['empirical_minus_predicted_at_n'] = paired_difference(
+            row['speculative']['per_prompt'],
+            row['teacher_forced']['accepted_at_prompt_end_per_window'])
         if reference is not None:
             row['vs_ce'] = paired_difference(row['speculative']['per_prompt'],
                                              reference['speculative']['per_prompt'])
@@ -42,15 +52,13 @@ def table_rows(evaluations: List[Dict], arms: List[str], heal_steps: int) -> Lis
 def format_table(rows: List[Dict], gamma: int) -> str:
     """The arm x metric table (mean ± standard error)."""
     headers = (['model'] + [f'alpha_{k + 1} (TF)' for k in range(gamma)]
-               + ['predicted (TF)', 'predicted @n', 'empirical', 'empirical RB', 'emp. - ce'])
+               + ['predicted (TF)', 'predicted @n', 'empirical', 'emp. - pred@n', 'emp. - ce'])
     lines = []
     for row in rows:
         tf, sd = row['teacher_forced'], row['speculative']
         cells = [row['label']] + [fmt(a) for a in tf['alpha']] + [
             fmt(tf['accepted']), fmt(tf['accepted_at_prompt_end']), fmt(sd['accepted']),
-            fmt(sd['accepted_rao_blackwell']),
-            ('+' if row.get('vs_ce', {}).get('mean', 0) >= 0 else '') + fmt(row['vs_ce'])
-            if 'vs_ce' in row else 'n/a',
+            signed(row['empirical_minus_predicted_at_n']), signed(row.get('vs_ce')),
         ]
         lines.append(cells)
     widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(headers)]
@@ -61,15 +69,15 @@ def format_table(rows: List[Dict], gamma: int) -> str:
 
 
 TABLE_NOTE = """\
-alpha_k (TF): teacher-forced acceptance of depth k, mean over held-out domain-B positions of
-  sum_v min(p_main, q_k). predicted (TF): mean over positions of sum_j prod_{i<=j} alpha_i, the
-  expected accepted drafts per verify step; predicted @n: the same at the prompt-end position the
-  speculative run drafts from (same prompts). empirical: accepted drafts per verify step counted in
-  real speculative decoding (heads draft gamma tokens from their own samples, the main model
-  verifies by rejection sampling at temperature 1); empirical RB: the same expectation estimated
-  from the on-path acceptance probabilities (lower variance). emp. - ce: paired difference of the
-  empirical count from the 'ce' arm (same prompts, same random numbers). Tokens per verify step =
-  1 + accepted drafts. +- is one standard error."""
+Accepted drafts per verify step; tokens per verify step are one more. +- is one standard error.
+alpha_k (TF): teacher-forced acceptance of depth k, the mean over held-out positions of
+  sum_v min(p_main, q_k) with the heads reading the real text. predicted (TF): the mean over
+  positions of sum_j prod_{i<=j} alpha_i, the training-time metric. predicted @n: the same at the
+  one position n the speculative run drafts from, on the same prompts. empirical: counted in real
+  speculative decoding (the heads draft from their own samples, the main model verifies by
+  rejection sampling at temperature 1). emp. - pred@n: empirical minus predicted @n, paired over
+  prompts: what teacher forcing misses. emp. - ce: paired difference from the 'ce' arm (same
+  prompts, same random numbers)."""
 
 
 def write_json(path: str, payload: Dict) -> None:
@@ -104,12 +112,12 @@ def plot(path: str, evaluations: List[Dict], arms: List[str], gamma: int,
         points = [drifted] + sorted(by_arm.get(arm, []), key=lambda e: e['step'])
         steps = [e['step'] for e in points]
         emp = [e['speculative']['accepted'] for e in points]
-        pred = [e['teacher_forced']['accepted'] for e in points]
+        pred = [e['teacher_forced']['accepted_at_prompt_end'] for e in points]
         color = ARM_COLORS.get(arm, None)
         ax.errorbar(steps, [s['mean'] for s in emp], yerr=[s['se'] for s in emp], color=color,
                     marker='o', capsize=3, label=f'{arm}: empirical (spec. decoding)')
         ax.plot(steps, [s['mean'] for s in pred], color=color, linestyle='--', marker='x',
-                alpha=0.8, label=f'{arm}: predicted (teacher-forced)')
+                alpha=0.8, label=f'{arm}: predicted (teacher-forced, same prompts)')
     level = pretrained['speculative']['accepted']['mean']
     ax.axhline(level, color='gray', linestyle=':', label='before drift (empirical)')
     ax.set_xlabel('healing step (heads only, backbone frozen)')
@@ -130,11 +138,13 @@ def plot(path: str, evaluations: List[Dict], arms: List[str], gamma: int,
                color='#555555')
         bx.errorbar(xs, [s['mean'] for s in emp], yerr=[s['se'] for s in emp], fmt='D',
                     color='#ff7f0e', markersize=4, capsize=2,
-                    label='empirical accept rate' if k == 0 else None)
+                    label='empirical accept rate (given reached)' if k == 0 else None)
     bx.set_xticks(range(len(labels)))
     bx.set_xticklabels(labels, fontsize=8)
-    lows = [s['mean'] for e in finals for s in e['teacher_forced']['alpha']]
-    bx.set_ylim(max(0.0, min(lows) - 0.15), 1.0)
+    lows = [s['mean'] - s['se'] for e in finals
+            for s in e['teacher_forced']['alpha'] + e['speculative']['depth_acceptance']
+            if not math.isnan(s['mean'])]
+    bx.set_ylim(max(0.0, min(lows) - 0.1), 1.0)
     bx.set_ylabel('per-depth acceptance')
     bx.set_title('Per-depth acceptance at the end')
     bx.legend(fontsize=7, loc='lower right')
