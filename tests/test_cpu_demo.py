@@ -155,3 +155,27 @@ def test_demo_forward_matches_gpt_model_forward(megatron_cpu):
     plugin = acceptance_metrics()
     assert tf['accepted']['mean'] == pytest.approx(float(plugin['mtp_expected_accepted_drafts']),
                                                    abs=1e-5)
+
+
+@pytest.mark.parametrize('arm', ['ce', 'tv', 'e2e_tv'])
+def test_heal_step_trains_only_the_heads(megatron_cpu, arm):
+    """Healing changes every MTP head parameter and no backbone parameter (the shared, tied
+    output weight included), through the real Megatron loss path."""
+    import megatron.mtp_tv
+
+    from cpu_demo_lib import model as M
+
+    megatron.mtp_tv.install()
+    spec = M.ModelSpec(hidden_size=16, num_layers=1, mtp_num_layers=2, seq_length=12,
+                       num_attention_heads=2, seed=1)
+    model = M.build_model(spec, M.phase_overrides('heal', arm, 0.1))
+    backbone, heads = M.backbone_and_heads(model)
+    assert {id(p) for p in backbone}.isdisjoint(id(p) for p in heads)
+    assert len(backbone) + len(heads) == len(list(model.parameters()))
+    before = [p.detach().clone() for p in backbone], [p.detach().clone() for p in heads]
+    params = M.set_trainable(model, 'heads')
+    optimizer, _ = M.make_optimizer(params, 1e-2, 10)
+    tokens = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(2))
+    M.train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:])
+    assert all(torch.equal(a, p) for a, p in zip(before[0], backbone))
+    assert all(not torch.equal(a, p) for a, p in zip(before[1], heads) if p.dim() > 1)
