@@ -89,7 +89,8 @@ def main() -> int:
     parser.add_argument('--fresh', action='store_true',
                         help='build in a temporary directory instead of reusing the cached tree')
     parser.add_argument('pytest_args', nargs='*',
-                        help='after --: pytest arguments (default: the PATCH_MODE_TESTS files)')
+                        help='after --: pytest arguments; test paths replace the default '
+                        'PATCH_MODE_TESTS files (tests for the whole suite)')
     args = parser.parse_args()
 
     start = time.time()
@@ -110,8 +111,12 @@ def main() -> int:
     env['MTP_TV_MODE'] = 'patch'
     env['MTP_TV_TREE'] = str(tree)
     env['PYTHONPATH'] = os.pathsep.join([str(tree)] + [p for p in [env.get('PYTHONPATH')] if p])
-    selection = args.pytest_args or [t for t in PATCH_MODE_TESTS if (REPO / t).exists()]
-    cmd = [sys.executable, '-m', 'pytest', '-q', '-ra', '-p', 'no:cacheprovider', *selection]
+    selection = [a for a in args.pytest_args if not a.startswith('-')]
+    if not selection:  # only options given: keep the default test files
+        selection = [t for t in PATCH_MODE_TESTS if (REPO / t).exists()]
+    options = [a for a in args.pytest_args if a.startswith('-')]
+    cmd = [sys.executable, '-m', 'pytest', '-q', '-ra', '-p', 'no:cacheprovider', *options,
+           *selection]
     try:
         return subprocess.run(cmd, cwd=REPO, env=env).returncode
     finally:
