@@ -115,3 +115,31 @@ def test_fields_block_is_the_config_dataclass_body():
     for f in dataclasses.fields(MTPLossConfig):
         assert f'    {f.name}: ' in block
     assert 'class ' not in block and '@dataclass' not in block
+
+
+def _change_the_package(monkeypatch):
+    """A docstring edit in a field and a new module, as the package's owners make them."""
+    block, modules = mp.fields_block(), mp.shipped_modules()
+    monkeypatch.setattr(mp, 'fields_block', lambda: block.replace('Training objective', 'Objective'))
+    monkeypatch.setattr(mp, 'shipped_modules', lambda: {**modules, 'zz_new.py': '"""New."""\n'})
+
+
+def test_offline_regeneration_equals_full_regeneration(monkeypatch):
+    """What `make patches` does for the fork patches without the fork gives the same bytes as a
+    regeneration from the tree (shown on 0.19.2, whose pristine files are at hand)."""
+    target = mp.TARGETS['megatron-core-0.19.2']
+    committed = target.patch_path.read_text()
+    files = mp.files_0192()
+    _change_the_package(monkeypatch)
+    assert mp.check_offline(target, committed)  # stale now
+    assert mp.regenerate_offline(target, committed) == mp.render_patch(target, files)
+
+
+@pytest.mark.skipif(not FORK, reason='set MTP_TV_MEGATRON_LM to a clone of radixark/Megatron-LM')
+@pytest.mark.parametrize('name', [n for n, t in sorted(mp.TARGETS.items()) if t.commit])
+def test_offline_regeneration_equals_full_regeneration_on_forks(name, monkeypatch):
+    target = mp.TARGETS[name]
+    files = mp.pristine_files(target, Path(FORK))
+    committed = target.patch_path.read_text()
+    _change_the_package(monkeypatch)
+    assert mp.regenerate_offline(target, committed) == mp.render_patch(target, files)

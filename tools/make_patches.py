@@ -3,8 +3,8 @@
 
 One command regenerates every patch whose pristine tree it can reach::
 
-    python tools/make_patches.py                                   # megatron-core 0.19.2 only
-    python tools/make_patches.py --megatron-lm ~/src/Megatron-LM   # + the radixark fork patches
+    python tools/make_patches.py                                   # all (forks: offline update)
+    python tools/make_patches.py --megatron-lm ~/src/Megatron-LM   # forks from the fork itself
     python tools/make_patches.py --check [--megatron-lm ...]       # exit 1 if a patch is stale
 
 What a patch does to a Megatron tree (the same changes :mod:`megatron.mtp_tv.plugin` makes at run
@@ -33,7 +33,8 @@ into its files; the new package files must equal the package source, and the lin
 adds to (and removes from) Megatron files must equal what the generator renders for that tree
 from the small record of facts kept per target in :data:`TARGETS` (which parameters its
 ``process_mtp_loss`` takes, the inline condition it replaces). Regenerating from the fork
-re-derives those facts and fails if they no longer match.
+re-derives those facts and fails if they no longer match. Without the fork, a stale fork patch
+is updated in place (:func:`regenerate_offline`): same bytes as a regeneration from the fork.
 """
 
 from __future__ import annotations
@@ -326,20 +327,31 @@ def snippet_inline_gpt() -> Tuple[List[str], List[str]]:
     return before, replace
 
 
-def expected_changes(facts: Facts) -> Dict[str, Tuple[List[str], List[str]]]:
-    """``{file: (added lines, removed lines)}`` in file order, for the offline staleness check."""
-    config_added = snippet_config_import() + snippet_fields() + snippet_validate()
-    mtp_added: List[str] = []
+def expected_edits(facts: Facts) -> Dict[str, List[Tuple[List[str], List[str]]]]:
+    """``{file: [(added lines, removed lines) per edit, in file order]}`` for a tree with ``facts``.
+
+    File order holds in every supported tree: the import, the fields and ``__post_init__`` in
+    transformer_config.py; ``track_mtp_metrics`` before ``process_mtp_loss``.
+    """
+    mtp = [(snippet_track_metrics(), [])]
     if facts.process_mtp_loss_params is not None:
-        # process_mtp_loss comes after track_mtp_metrics in every supported tree
-        mtp_added = snippet_track_metrics() + snippet_process_mtp_loss(facts.process_mtp_loss_params)
-    else:
-        mtp_added = snippet_track_metrics()
-    out = {CONFIG_FILE: (config_added, []), MTP_FILE: (mtp_added, [])}
+        mtp.append((snippet_process_mtp_loss(facts.process_mtp_loss_params), []))
+    out = {
+        CONFIG_FILE: [(snippet_config_import(), []), (snippet_fields(), []), (snippet_validate(), [])],
+        MTP_FILE: mtp,
+    }
     if facts.inline_gpt_loss:
         before, replace = snippet_inline_gpt()
-        out[GPT_FILE] = (before + replace, [f'        if {INLINE_CONDITION}:'])
+        out[GPT_FILE] = [(before, []), (replace, [f'        if {INLINE_CONDITION}:'])]
     return out
+
+
+def expected_changes(facts: Facts) -> Dict[str, Tuple[List[str], List[str]]]:
+    """``{file: (added lines, removed lines)}``, the edits of :func:`expected_edits` concatenated."""
+    return {
+        path: ([l for a, _ in edits for l in a], [l for _, r in edits for l in r])
+        for path, edits in expected_edits(facts).items()
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -767,6 +779,82 @@ def check_offline(target: Target, text: str) -> List[str]:
     return problems
 
 
+def regenerate_offline(target: Target, text: str) -> str:
+    """Bring a committed patch up to date without its tree.
+
+    The package files are re-rendered from the package source; in each Megatron hunk the lines
+    of every edit are re-rendered while the context and removed lines (the tree's own code) are
+    kept, and the hunk headers recounted. Raises :class:`PatchError` when that is not possible:
+    the edits no longer line up with the committed hunks, or what an edit removes changed (both
+    need the tree: ``--megatron-lm``).
+    """
+    preamble, _, rest = text.partition('diff --git ')
+    sections = ['diff --git ' + part for part in rest.split('\ndiff --git ')]
+    sections = [sec if sec.endswith('\n') else sec + '\n' for sec in sections]
+    edits = expected_edits(target.facts)
+    out = [preamble]
+    for sec in sections:
+        path = sec.split('\n', 1)[0].split(' b/', 1)[1]
+        if path.startswith(TARGET_PACKAGE + '/'):
+            continue  # re-rendered below
+        if path not in edits:
+            raise PatchError(f'{target.name}: unexpected file {path} in the patch')
+        out.append(_rerender_hunks(target.name, path, sec, edits[path]))
+    for rel, text_ in sorted(shipped_modules().items()):
+        out.append(new_file_diff(f'{TARGET_PACKAGE}/{rel}', text_))
+    new = ''.join(out)
+    problems = check_offline(target, new)
+    if problems:
+        raise PatchError(f'{target.name}: offline regeneration failed: {problems}')
+    return new
+
+
+def _rerender_hunks(name: str, path: str, section: str, edits) -> str:
+    head, _, body = section.partition('\n@@')
+    lines = ('@@' + body).split('\n')[:-1]
+    hunks, current = [], None
+    for line in lines:
+        if line.startswith('@@'):
+            m = re.match(r'@@ -(\d+),(\d+) \+(\d+),(\d+) @@', line)
+            current = [int(m.group(1)), int(m.group(2)), []]
+            hunks.append(current)
+        else:
+            current[2].append(line)
+    # runs of changed lines: each is one edit ('-' lines then '+' lines)
+    queue = list(edits)
+    out = [head + '\n']
+    offset = 0
+    for old_start, old_len, body_lines in hunks:
+        new_body, i = [], 0
+        while i < len(body_lines):
+            if body_lines[i][:1] == ' ':
+                new_body.append(body_lines[i])
+                i += 1
+                continue
+            removed, added = [], []
+            while i < len(body_lines) and body_lines[i][:1] == '-':
+                removed.append(body_lines[i][1:])
+                i += 1
+            while i < len(body_lines) and body_lines[i][:1] == '+':
+                added.append(body_lines[i][1:])
+                i += 1
+            if not queue:
+                raise PatchError(f'{name}: {path}: more changed runs than edits; needs the tree')
+            new_added, new_removed = queue.pop(0)
+            if removed != new_removed:
+                raise PatchError(f'{name}: {path}: an edit now removes other lines; needs the tree')
+            new_body += ['-' + l for l in removed] + ['+' + l for l in new_added]
+        n_removed = sum(1 for l in new_body if l[:1] == '-')
+        n_added = sum(1 for l in new_body if l[:1] == '+')
+        new_len = old_len - n_removed + n_added
+        out.append(f'@@ -{old_start},{old_len} +{old_start + offset},{new_len} @@\n')
+        out.append(''.join(l + '\n' for l in new_body))
+        offset += n_added - n_removed
+    if queue:
+        raise PatchError(f'{name}: {path}: fewer changed runs than edits; needs the tree')
+    return ''.join(out)
+
+
 # ----------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------
@@ -794,12 +882,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 stale = True
                 continue
             problems = check_offline(target, committed)
-            for p in problems:
-                print(f'{name}: STALE: {p}')
-            stale |= bool(problems)
             if not problems:
-                print(f'{name}: up to date (offline check: package files and rendered edits; '
-                      'pass --megatron-lm to regenerate)')
+                print(f'{name}: up to date (offline check: package files and rendered edits)')
+            elif args.check:
+                for p in problems:
+                    print(f'{name}: STALE: {p}')
+                stale = True
+            else:
+                target.patch_path.write_text(regenerate_offline(target, committed))
+                print(f'{name}: wrote {target.patch_path.relative_to(REPO)} (offline: package '
+                      'files and rendered edits re-rendered, the tree\'s context kept)')
             continue
         text = render_patch(target, files)
         if committed == text:
