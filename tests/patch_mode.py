@@ -91,20 +91,12 @@ def implementation_file(module) -> Path:
 
 #: Tests in other files that only make sense with the plugin (they check the monkey-patching
 #: itself); skipped in patch mode. New tests should use ``@pytest.mark.plugin_only`` instead.
-PLUGIN_ONLY_TESTS = (
-    'tests/test_model_tv.py::test_ce_is_bit_identical_with_the_plugin_installed',
-)
+PLUGIN_ONLY_TESTS = ()
 
 
 #: Known differences between the modes, expected to fail in patch mode (strict: once fixed, the
 #: XPASS fails the run so the entry gets removed).
-PATCH_MODE_XFAIL = {
-    'tests/test_config_cli.py::test_flags_come_from_megatrons_argument_factory_with_help': (
-        "help text: Megatron's ArgumentGroupFactory joins a field docstring's lines with spaces "
-        "(' '.join(cleandoc(doc).split())); plugin.field_docstrings keeps the newlines. argparse "
-        "prints both the same; the plugin should normalise like Megatron."
-    ),
-}
+PATCH_MODE_XFAIL: dict = {}
 
 
 def pytest_configure(config):

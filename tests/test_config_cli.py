@@ -76,7 +76,7 @@ def test_flags_come_from_megatrons_argument_factory_with_help():
     assert actions['mtp_tv_chunk'].option_strings == ['--mtp-tv-chunk'] and actions['mtp_tv_chunk'].type is int
     assert actions['mtp_log_acceptance'].option_strings == ['--mtp-log-acceptance']
     for name in ('mtp_loss_type', 'mtp_tv_chunk', 'mtp_log_acceptance'):
-        assert actions[name].help == docs[name] and len(docs[name]) > 40
+        assert actions[name].help == ' '.join(docs[name].split()) and len(docs[name]) > 40
 
 
 def test_parse_args_round_trip_into_transformer_config(monkeypatch):

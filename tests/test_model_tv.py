@@ -145,6 +145,7 @@ def test_bf16_model_is_finite_and_close_to_fp32():
     assert all(g is None or torch.isfinite(g.float()).all() for g in grads.values())
 
 
+@pytest.mark.plugin_only
 def test_ce_is_bit_identical_with_the_plugin_installed():
     import megatron.core.models.gpt.gpt_model as gpt_model
     from megatron.mtp_tv import plugin

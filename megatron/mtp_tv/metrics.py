@@ -56,10 +56,14 @@ def save_acceptance_to_tracker(
             if greedy_correct is not None
             else torch.zeros_like(count)
         )
+        helper = _mtp.MTPLossLoggingHelper
         for k in range(depth):
-            _mtp.MTPLossLoggingHelper.save_metrics_to_tracker(
-                tv_mean[k], correct[k], count[k], k, depth, avg_group=avg_group
-            )
+            if hasattr(helper, 'save_metrics_to_tracker'):
+                helper.save_metrics_to_tracker(
+                    tv_mean[k], correct[k], count[k], k, depth, avg_group=avg_group
+                )
+            else:  # trees without greedy-acceptance logging (radixark miles-main)
+                helper.save_loss_to_tracker(tv_mean[k], k, depth, avg_group=avg_group)
     tracker = _mtp.MTPLossLoggingHelper.tracker
     for key, value in ((ALPHA_SUM, alpha_sum), (ALPHA_COUNT, count), (ACCEPTED, accepted)):
         if key not in tracker or tracker[key].shape != value.shape:

@@ -9,6 +9,7 @@ context-parallel boundaries and ``num_tokens`` are exactly those of the CE path)
 normalisation, ``calculate_per_token_loss``, ``MTPLossAutoScaler`` and the tracker.
 """
 
+import inspect
 import os
 from typing import Callable, Optional
 
@@ -30,6 +31,23 @@ from .vocab_parallel import group_size
 #: Set to 0 to recompute each chunk in backward instead of computing gradients during forward
 #: (slower, same numbers; for debugging).
 FUSED_ENV = 'MEGATRON_MTP_TV_FUSED'
+
+
+def _roll_once(tensor: Tensor, cp_group, packed_seq_params):
+    """Megatron's ``roll_tensor(tensor, shifts=-1, dims=-1, ...)`` -> ``(rolled, rolled.sum())``.
+
+    Trees whose ``roll_tensor`` rolls a list of tensors and returns the list (radixark
+    miles-main-20260819) are called that way.
+    """
+    roll_tensor = _mtp.roll_tensor
+    if 'sequence_fields' in inspect.signature(roll_tensor).parameters:
+        (rolled,) = roll_tensor(
+            [tensor], shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params
+        )
+        return rolled, rolled.sum()
+    return roll_tensor(
+        tensor, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params
+    )
 
 
 def process_mtp_tv_loss(
@@ -63,7 +81,7 @@ def process_mtp_tv_loss(
     main_hidden = hidden_states_list[0]
 
     def roll(t):
-        return _mtp.roll_tensor(t, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+        return _roll_once(t, cp_group, packed_seq_params)
 
     if labels is None:
         if input_ids is None:
@@ -75,12 +93,18 @@ def process_mtp_tv_loss(
         loss_mask = torch.ones_like(labels)
 
     weight = output_weight if output_weight is not None else output_layer.weight
-    if config.mtp_detach_heads:
+    if getattr(config, 'mtp_detach_heads', False):  # not a field in every Megatron tree
         weight = weight.detach()
     if getattr(output_layer, 'bias', None) is not None:
         raise ValueError(
             "mtp_loss_type='tv'/'e2e_tv' supports an output layer without bias (GPTModel's); "
             "this output layer has a bias."
+        )
+    cp_layout = getattr(packed_seq_params, 'cp_partition_mode', None)
+    if cp_group is not None and cp_group.size() > 1 and cp_layout not in (None, 'zigzag'):
+        raise ValueError(
+            f"mtp_loss_type={loss_type!r} aligns context-parallel targets in Megatron's zigzag "
+            f"layout; packed_seq_params.cp_partition_mode={cp_layout!r} is not supported."
         )
     tp_group = tp_group if tp_group is not None else getattr(output_layer, 'tp_group', None)
     sequence_parallel = bool(getattr(output_layer, 'sequence_parallel', False))

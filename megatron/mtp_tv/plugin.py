@@ -51,6 +51,11 @@ def install() -> None:
             return
         from megatron.core.transformer.transformer_config import TransformerConfig
 
+        if _has_fields(TransformerConfig):
+            # A tree patched with patches/*.patch: the feature is native there already, and
+            # wrapping its process_mtp_loss again would log the metrics twice.
+            _installed = True
+            return
         add_config_fields(TransformerConfig)
         _install_loss()
         _install_metrics_logging()
@@ -64,7 +69,7 @@ def is_installed() -> bool:
 
 def add_config_fields(base: type) -> None:
     """Add the MTP loss fields to dataclass ``base`` and its dataclass subclasses."""
-    if all(f.name in base.__dataclass_fields__ for f in dataclasses.fields(_config.MTPLossConfig)):
+    if _has_fields(base):
         return
     docs = field_docstrings(_config.MTPLossConfig)
     annotations = base.__dict__['__annotations__']  # a dataclass always has its own
@@ -72,12 +77,17 @@ def add_config_fields(base: type) -> None:
         annotations[f.name] = f.type
         # Megatron's ArgumentGroupFactory reads help text from the class source, which does not
         # contain these fields: hand it over through the metadata it also honours.
+        # (joined into one line, as the factory does with the docstrings it finds itself).
         setattr(base, f.name, dataclasses.field(
-            default=f.default, metadata={'argparse_meta': {'help': docs[f.name]}}
+            default=f.default, metadata={'argparse_meta': {'help': ' '.join(docs[f.name].split())}}
         ))
     for cls in [base] + _dataclass_subclasses(base):
         _reprocess_dataclass(cls)
     _validate_in_post_init(base)
+
+
+def _has_fields(cls: type) -> bool:
+    return all(f.name in cls.__dataclass_fields__ for f in dataclasses.fields(_config.MTPLossConfig))
 
 
 def field_docstrings(cls: type) -> Dict[str, str]:
