@@ -68,7 +68,7 @@ if [[ -z "$applied" ]]; then
 fi
 if [[ -z "$applied" ]]; then
     echo "no patch in $REPO/patches applies to $MEGATRON_PATH at $(git rev-parse --short HEAD);" \
-         "see docs/usage_patches.md (regenerate with tools/make_patches.py)" >&2
+         "see the README section "Patches" (regenerate with tools/make_patches.py)" >&2
     exit 1
 fi
 
