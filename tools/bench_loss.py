@@ -110,9 +110,20 @@ class Case:
                 del out
             peak, saved_bytes = tracker.peak, saved.bytes
             fwd_peak, bwd_peak = tracker.phase_peak('forward'), tracker.phase_peak('backward')
+        denormal = max(_denormal_fraction(leaf.grad) for leaf in self.leaves)
         self.reset()
         return {'peak': peak, 'fwd_peak': fwd_peak, 'bwd_peak': bwd_peak, 'saved': saved_bytes,
-                'saved_tensors': saved.tensors}
+                'saved_tensors': saved.tensors, 'denormal_grad_fraction': denormal}
+
+
+def _denormal_fraction(grad: Optional[torch.Tensor]) -> float:
+    """Share of subnormal values in ``grad``: x86 GEMMs on them run many times slower, so a
+    benchmark whose gradients are full of them measures the FPU, not the loss."""
+    if grad is None or not grad.is_floating_point():
+        return 0.0
+    tiny = torch.finfo(grad.dtype).tiny
+    g = grad.detach().abs()
+    return float(((g < tiny) & (g > 0)).float().mean())
 
 
 def time_cases(cases: Dict[str, Case], repeats: int, warmup: int,
@@ -233,7 +244,10 @@ def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
         )
 
     ce_config = config('ce')
-    torch.manual_seed(seed)
+    # The weight must not share a seed with the hidden states below: the same normal draws in
+    # both make W's first rows copies of the hidden rows, logits of ~80, probabilities below
+    # 1e-38 and gradient GEMMs on denormals (50x slower on x86).
+    torch.manual_seed(seed + 7919)
     output_layer = ColumnParallelLinear(
         h, V, config=ce_config, init_method=torch.nn.init.normal_, bias=False,
         skip_bias_add=False, gather_output=False, tp_group=tp_group,
@@ -287,6 +301,7 @@ def _rows(group: str, seq: int, tp: int, G: int, results: Dict[str, dict], token
             'peak_mib_per_rank': [r['peak'] / MiB],
             'saved_bytes': r['saved'], 'saved_per_token': r['saved'] / tokens,
             'saved_tensors': r['saved_tensors'][:12],
+            'denormal_grad_fraction': r['denormal_grad_fraction'],
             **(extra or {}),
         })
     return rows
@@ -363,7 +378,8 @@ def _tp_worker(rank: int, args_dict: dict) -> List[dict]:
         return float(t)
 
     rows = run_loss(args, group, parallel_state.get_tensor_model_parallel_rank(), tp, sync,
-                    log=print if rank == 0 else (lambda *a: None))
+                    log=(lambda *a: print(time.strftime('%H:%M:%S'), *a, flush=True))
+                    if rank == 0 else (lambda *a: None))
     for row in rows:
         row['shims'] = sorted(SHIMS_USED)
     return rows
@@ -468,7 +484,7 @@ def render(report: dict) -> str:
         f"(TP ranks: {env['threads_tp']} each), CPU fp32, hidden {report['args']['hidden']}, "
         f"vocab {report['args']['vocab']}, chunk {report['args']['chunk']}, batch 1, "
         f"median of {report['args']['repeats']} (warmup {report['args']['warmup']}), "
-        f"wall {report['wall_s']:.0f} s")
+        f"wall {report['wall_s']:.0f} s; loss code {env['mtp_tv']} @ {env['git']}")
     lines += ["", "| case | seq | tp | G | impl | time (s) | min-max | ratio vs CE | peak extra MiB "
               "(fwd/bwd) | saved B/token | target | met? |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -501,6 +517,11 @@ def render(report: dict) -> str:
                 lines.append(head + " | | |")
             for t in sm['targets']:
                 lines.append(head + f" {t['target']} | {t['value']} | {_verdict(t['met'])} |")
+    denormal = [r for r in report['rows'] if r.get('denormal_grad_fraction', 0) > 1e-3]
+    if denormal:
+        lines += ["", "WARNING: subnormal gradients (slow x86 GEMMs) in: " + ", ".join(
+            f"{r['case']}/{r['seq']}/{r['impl']} ({r['denormal_grad_fraction']:.1%})"
+            for r in denormal)]
     verdicts = [r['met'] for r in report['rows'] if r['met'] is not None]
     verdicts += [t['met'] for sm in report['summaries'] for t in sm['targets']]
     lines += ["", f"targets met: {sum(verdicts)}/{len(verdicts)}"]
@@ -549,6 +570,19 @@ def parse_args(argv=None):
     return args
 
 
+def _git_head(path: str) -> str:
+    import subprocess
+
+    try:
+        head = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=path, text=True,
+                              capture_output=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no', '.'],
+                               cwd=path, text=True, capture_output=True, timeout=10).stdout.strip()
+        return (head + (' (+uncommitted changes)' if dirty else '')) or 'not a git tree'
+    except (OSError, subprocess.SubprocessError):
+        return 'unknown'
+
+
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -558,9 +592,10 @@ def main(argv=None) -> dict:
     print(f"command: {command}", flush=True)
     import megatron.core
 
+    import megatron.mtp_tv  # noqa: F401  (its location goes into the report)
     from megatron.mtp_tv.testing.distributed import single_process
 
-    log = lambda *a: print(*a, flush=True)  # noqa: E731
+    log = lambda *a: print(time.strftime('%H:%M:%S'), *a, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     rows: List[dict] = []
     if 1 in args.tp or 'mtp' in args.cases:
@@ -581,6 +616,8 @@ def main(argv=None) -> dict:
             'torch': torch.__version__, 'megatron_core': getattr(megatron.core, '__version__', '?'),
             'python': platform.python_version(), 'cpu': platform.processor() or platform.machine(),
             'threads': threads, 'threads_tp': max(1, cpu_count() // max(args.tp)),
+            'mtp_tv': os.path.dirname(sys.modules['megatron.mtp_tv'].__file__),
+            'git': _git_head(os.path.dirname(sys.modules['megatron.mtp_tv'].__file__)),
         },
         'wall_s': time.perf_counter() - t0,
         'rows': rows,
