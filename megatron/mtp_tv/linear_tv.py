@@ -43,7 +43,7 @@ No Megatron imports here.
 """
 
 from dataclasses import dataclass
-from typing import Callable, List, Literal, NamedTuple, Optional, Sequence
+from typing import Callable, Literal, NamedTuple, Optional, Sequence
 
 import torch
 

@@ -59,29 +59,6 @@ def combine_logsumexp(
     return torch.logsumexp(gathered[..., 0] + gathered[..., 1], dim=0), gathered[..., 0].amax(dim=0)
 
 
-def exp_normalise_(
-    logits: torch.Tensor, group: ProcessGroup
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Turn fp32 logits ``[n, V/tp]`` into the probabilities of a softmax over the full vocab.
-
-    Works in place (``logits`` becomes the probabilities) with a single ``exp`` pass: the
-    shard-shifted exponentials are rescaled by ``exp(m_local - lse)`` once the full-vocabulary
-    normaliser is known (:func:`combine_logsumexp`).
-
-    Returns:
-        ``(probs, global_max)``: ``probs`` is ``logits`` itself, ``global_max`` is ``[n]``, the
-        row maximum over the full vocabulary (used for greedy-accuracy counts).
-    """
-    local_max = logits.amax(dim=-1)
-    logits.sub_(local_max.unsqueeze(-1)).exp_()
-    local_sum = logits.sum(dim=-1)
-    if group_size(group) == 1:
-        return logits.div_(local_sum.unsqueeze(-1)), local_max
-    lse, global_max = combine_logsumexp(local_max, local_sum.log(), group)
-    logits.mul_((local_max - lse).exp_().unsqueeze(-1))
-    return logits, global_max
-
-
 def vocab_range(local_vocab: int, group: ProcessGroup) -> Tuple[int, int]:
     """``[start, stop)`` of this rank's vocabulary shard, as Megatron's VocabUtility splits it."""
     start = group_rank(group) * local_vocab
