@@ -334,40 +334,11 @@ def run_mtp(args, log=print) -> List[dict]:
     return rows
 
 
-def _gloo_stacked_all_gather_shim() -> None:
-    """Let ``all_gather_into_tensor`` take a stacked ``[world, *input.shape]`` output on gloo.
-
-    NCCL accepts the output either concatenated (``[world * n, ...]``) or stacked
-    (``[world, n, ...]``); gloo only the concatenated form ("ProcessGroupGloo::allgather: invalid
-    tensor size"). ``vocab_parallel.combine_logsumexp`` passes the stacked form. The shim passes
-    a flat view of the same memory (no copy, same result), and only ever for stacked outputs, so
-    it does nothing once the loss code passes the concatenated form.
-    """
-    import torch.distributed as dist
-
-    original = dist.all_gather_into_tensor
-    if getattr(original, '_bench_shim', False):
-        return
-
-    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
-        if output_tensor.dim() == input_tensor.dim() + 1 and output_tensor.is_contiguous():
-            SHIMS_USED.add('gloo_stacked_all_gather')
-            output_tensor = output_tensor.view(-1, *output_tensor.shape[2:])
-        return original(output_tensor, input_tensor, group=group, async_op=async_op)
-
-    all_gather_into_tensor._bench_shim = True
-    dist.all_gather_into_tensor = all_gather_into_tensor
-
-
-SHIMS_USED: set = set()
-
-
 def _tp_worker(rank: int, args_dict: dict) -> List[dict]:
     """One rank of the TP run (inside ``megatron.mtp_tv.testing.distributed.spawn``)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    _gloo_stacked_all_gather_shim()
     args = argparse.Namespace(**args_dict)
     group = parallel_state.get_tensor_model_parallel_group()
     tp = dist.get_world_size(group)
@@ -380,8 +351,6 @@ def _tp_worker(rank: int, args_dict: dict) -> List[dict]:
     rows = run_loss(args, group, parallel_state.get_tensor_model_parallel_rank(), tp, sync,
                     log=(lambda *a: print(time.strftime('%H:%M:%S'), *a, flush=True))
                     if rank == 0 else (lambda *a: None))
-    for row in rows:
-        row['shims'] = sorted(SHIMS_USED)
     return rows
 
 
@@ -477,7 +446,7 @@ def _fmt_bytes(b: Optional[float]) -> str:
 
 
 def render(report: dict) -> str:
-    lines = [f"# MTP TV loss benchmark", "", f"command: `{report['command']}`", ""]
+    lines = ["# MTP TV loss benchmark", "", f"command: `{report['command']}`", ""]
     env = report['environment']
     lines.append(
         f"torch {env['torch']}, megatron-core {env['megatron_core']}, {env['threads']} threads "
@@ -485,6 +454,8 @@ def render(report: dict) -> str:
         f"vocab {report['args']['vocab']}, chunk {report['args']['chunk']}, batch 1, "
         f"median of {report['args']['repeats']} (warmup {report['args']['warmup']}), "
         f"wall {report['wall_s']:.0f} s; loss code {env['mtp_tv']} @ {env['git']}")
+    if report['args'].get('label'):
+        lines[-1] += f"; {report['args']['label']}"
     lines += ["", "| case | seq | tp | G | impl | time (s) | min-max | ratio vs CE | peak extra MiB "
               "(fwd/bwd) | saved B/token | target | met? |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -551,6 +522,8 @@ def parse_args(argv=None):
     p.add_argument('--tp-timeout', type=float, default=7200.0)
     p.add_argument('--quick', action='store_true', help='tiny shapes (smoke test)')
     p.add_argument('--json', default=None, help='also write the report as JSON here')
+    p.add_argument('--label', default='',
+                   help='free text for the report header (e.g. which revision of the loss code)')
     args = p.parse_args(argv)
     full = dict(seqs=[1024, 4096, 8192], hidden=1024, vocab=32768, chunk=512, repeats=3, warmup=1)
     quick = dict(seqs=[64, 128], hidden=64, vocab=512, chunk=32, repeats=1, warmup=0)
@@ -568,6 +541,16 @@ def parse_args(argv=None):
     if args.vocab % max(args.tp) != 0:
         p.error(f"--vocab {args.vocab} must be divisible by every --tp")
     return args
+
+
+def _dist_version(name: str) -> str:
+    # megatron.core.__version__ appends the short hash of whatever git tree holds the venv.
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return '?'
 
 
 def _git_head(path: str) -> str:
@@ -590,8 +573,6 @@ def main(argv=None) -> dict:
     torch.set_num_threads(threads)
     command = ' '.join(shlex.quote(a) for a in [sys.executable, 'tools/bench_loss.py', *argv])
     print(f"command: {command}", flush=True)
-    import megatron.core
-
     import megatron.mtp_tv  # noqa: F401  (its location goes into the report)
     from megatron.mtp_tv.testing.distributed import single_process
 
@@ -613,7 +594,7 @@ def main(argv=None) -> dict:
         'command': command,
         'args': {k: v for k, v in vars(args).items()},
         'environment': {
-            'torch': torch.__version__, 'megatron_core': getattr(megatron.core, '__version__', '?'),
+            'torch': torch.__version__, 'megatron_core': _dist_version('megatron-core'),
             'python': platform.python_version(), 'cpu': platform.processor() or platform.machine(),
             'threads': threads, 'threads_tp': max(1, cpu_count() // max(args.tp)),
             'mtp_tv': os.path.dirname(sys.modules['megatron.mtp_tv'].__file__),
