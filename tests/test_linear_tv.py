@@ -82,11 +82,10 @@ def test_tie_convention_passes_no_gradient_through_tied_entries():
     # Exact binary fractions: entry 0 has q < p, entry 1 ties, entry 2 has q > p.
     p = torch.tensor([[0.5, 0.25, 0.25]])
     q = torch.tensor([[0.25, 0.25, 0.5]])
-    draft = [q.clone(), None]
-    overlap, dot = TorchRowOps.overlap([p, None], 0, draft)
+    ops = TorchRowOps()
+    overlap, dot = ops.overlap(p, q)
     assert overlap.item() == 0.75 and dot.item() == 0.25
-    assert draft[1].tolist() == [[True, False, False]]
-    grad = TorchRowOps.grad_([p, None], 0, draft, dot, torch.ones(1))
+    grad = ops.grad_(p, q.clone(), dot, torch.ones(1))
     # q * (dot - 1[q < p]); torch.minimum's 1/2 convention would give [-0.15625, -0.03125, 0.1875].
     assert grad.tolist() == [[-0.1875, 0.0625, 0.125]]
 
@@ -114,6 +113,24 @@ def test_detached_weight_gets_no_gradient_and_skips_weight_products():
     out = linear_tv_loss(draft, target, weight.detach(), _weights('tv', masks), loss_type='tv')
     out.loss.backward()
     assert weight.grad is None and draft.grad is not None
+
+
+@pytest.mark.parametrize('fused', [True, False])
+def test_upstream_gradient_scales_and_a_second_backward_is_refused_when_fused(fused):
+    draft, target, weight, masks = _inputs(2)
+    out = linear_tv_loss(draft, target, weight, _weights('tv', masks), loss_type='tv', fused=fused)
+    ref, _ = _reference('tv', draft, target, weight, masks)
+    (3.0 * out.loss).backward(retain_graph=True)
+    got = draft.grad.clone(), weight.grad.clone()
+    draft.grad = weight.grad = None
+    (3.0 * ref).backward()
+    torch.testing.assert_close(got[0], draft.grad, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(got[1], weight.grad, rtol=1e-4, atol=1e-7)
+    if fused:  # the gradients were scaled in place: handing them out twice must fail loudly
+        with pytest.raises(RuntimeError, match='modified by an inplace operation'):
+            out.loss.backward()
+    else:
+        out.loss.backward()
 
 
 def test_greedy_correct_counts_argmax_hits():

@@ -47,8 +47,8 @@ from typing import Callable, Literal, NamedTuple, Optional, Sequence
 
 import torch
 
-from .row_ops import select_row_ops
-from .vocab_parallel import ProcessGroup, all_reduce_sum_, combine_logsumexp, vocab_range
+from .row_ops import Scratch, select_row_ops
+from .vocab_parallel import ProcessGroup, all_reduce_sum_, group_size, vocab_range
 
 TVLossType = Literal['tv', 'e2e_tv']
 
@@ -198,11 +198,14 @@ class _LinearTV(torch.autograd.Function):
                 draft_grad=need_draft_grad, weight_grad=need_weight_grad,
             )
             grad_draft, grad_weight = out.grad_draft, out.grad_weight
-        # The objective is linear in its upstream gradient: a scalar rescales everything.
+        # The objective is linear in its upstream gradient: a scalar rescales everything. In
+        # place: a new [V/tp, h] tensor would cost a full extra pass. The fused buffers therefore
+        # serve one backward; a second one (retain_graph) fails autograd's saved-tensor version
+        # check instead of returning gradients scaled twice.
         if grad_draft is not None:
-            grad_draft = (grad_draft * grad_loss).to(grad_draft.dtype)
+            grad_draft.mul_(grad_loss)
         if grad_weight is not None:
-            grad_weight = grad_weight * grad_loss
+            grad_weight.mul_(grad_loss)
         return grad_draft, grad_weight, None, None, None
 
 
@@ -222,11 +225,15 @@ def _sweep(draft_hidden, weight, target_hidden, token_weights, plan: _Plan, draf
     correct = torch.zeros(G, s, b, dtype=torch.bool, device=device)
     loss = torch.zeros((), dtype=torch.float32, device=device)
     grad_draft = torch.zeros_like(draft_hidden) if draft_grad else None
-    # fp32 accumulation across chunks (the weight gradient sums every token of the batch).
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if weight_grad else None
+    # fp32 accumulation across chunks (the weight gradient sums every token of the batch). The
+    # first product overwrites it: zero-filling [V/tp, h] first would be one more full pass.
+    grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=device) if weight_grad else None
+    weight_grad_started = False
     want_grad = draft_grad or weight_grad
     labels = plan.labels
     vocab_start, vocab_stop = vocab_range(weight.shape[0], plan.tp_group)
+    scratch = Scratch()  # the chunk's inputs and logits, reused by every chunk
+    grad_in_overlap = want_grad and plan.loss_type == 'tv' and group_size(plan.tp_group) == 1
 
     ops = None
     for seg in plan.segments:
@@ -234,56 +241,64 @@ def _sweep(draft_hidden, weight, target_hidden, token_weights, plan: _Plan, draf
             stop = min(start + plan.positions_per_chunk, seg.stop)
             rows = slice(start, stop)
             n = (stop - start) * b
-            # Target rows t+1 .. t+chunk+G-1, projected once and shared by every depth.
+            # One projection per chunk: target rows t+1 .. t+chunk+G-1 (shared by every depth),
+            # then each depth's draft rows, into one [m, V/tp] fp32 buffer.
             target_rows = _virtual_rows(target_hidden, seg, start + 1, stop + G).reshape(-1, h)
-            zt = _logits(target_rows, weight, plan.logits_fn)
+            n_t = target_rows.shape[0]
+            inputs = torch.cat(
+                [target_rows] + [draft_hidden[k, rows].reshape(n, h) for k in range(G)],
+                out=scratch.take('inputs', (n_t + G * n, h), weight.dtype, device),
+            )
+            raw = _project(inputs, weight, scratch.take('logits', (inputs.shape[0], weight.shape[0]), torch.float32, device))
+            # Row ops overwrite their input; with a logits function, raw stays intact for its chain rule.
+            z = plan.logits_fn(raw).float() if plan.logits_fn is not None else raw
             if ops is None:
-                ops, _ = select_row_ops(zt)
-            chunk_labels = labels[:, rows].reshape(G, n) if labels is not None else None
-            depths = []  # per depth: (x, logits the row ops may overwrite, z_leaf, z, label logit)
-            for k in range(G):
-                x = draft_hidden[k, rows].reshape(n, h)
-                z_leaf, z = _apply_logits_fn(_linear(x, weight), plan.logits_fn, want_grad)
-                hit = _label_logit(z, chunk_labels[k], vocab_start, vocab_stop) if chunk_labels is not None else None
-                # The row ops overwrite their input; keep z intact only when autograd needs it.
-                depths.append((x, z.detach().clone() if z_leaf is not None else z, z_leaf, z, hit))
+                ops, _ = select_row_ops(z)
+            draft_rows = [slice(n_t + k * n, n_t + (k + 1) * n) for k in range(G)]
+            if labels is not None:
+                chunk_labels = labels[:, rows].reshape(G, n)
+                hits = [_label_logit(z[draft_rows[k]], chunk_labels[k], vocab_start, vocab_stop) for k in range(G)]
 
             # Collective 1: the normalisers of the target rows and of every depth's rows.
-            stats = [ops.local_stats(zt)] + [ops.local_stats(d[1]) for d in depths]
-            local_max = torch.cat([m for m, _ in stats])
-            lse, global_max = combine_logsumexp(local_max, torch.cat([l for _, l in stats]), plan.tp_group)
-            bounds = [0, zt.shape[0]] + [zt.shape[0] + (k + 1) * n for k in range(G)]
-            part = [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
-            target = ops.finish(zt, local_max[part[0]], lse[part[0]])
-            drafts = [ops.finish(d[1], local_max[part[k + 1]], lse[part[k + 1]]) for k, d in enumerate(depths)]
+            probs, global_max = ops.normalise_(z, plan.tp_group)
+            # Depth k at position t compares with target row t+k+1: target rows k*b .. k*b+n.
+            pairs = [(ops.rows(probs, k * b, k * b + n), ops.rows(probs, r.start, r.stop)) for k, r in enumerate(draft_rows)]
 
             # Collective 2: overlap, the gradient's dot product and greedy hits of every depth.
+            # Per-depth 'tv' on one shard knows each row's gradient coefficient (its weight) and
+            # full dot product here, so the gradient is formed in the same pass.
+            early_coef = token_weights[:, rows].reshape(G, n) if grad_in_overlap else None
             sums = []
-            for k, draft in enumerate(drafts):
-                overlap, dot = ops.overlap(target, k * b, draft)
-                hit = depths[k][4]
-                hits = (hit >= global_max[part[k + 1]]).float() if hit is not None else torch.zeros_like(overlap)
-                sums.append(torch.stack([overlap, dot, hits]))
-            chunk_alpha, dots, hits = all_reduce_sum_(torch.stack(sums, dim=1), plan.tp_group)
+            for k, (p, q) in enumerate(pairs):
+                overlap, dot = ops.overlap(p, q, early_coef[k] if grad_in_overlap else None)
+                if labels is not None:
+                    chunk_hits = (hits[k] >= global_max[draft_rows[k]]).float()
+                else:
+                    chunk_hits = torch.zeros_like(overlap)
+                sums.append(torch.stack([overlap, dot, chunk_hits]))
+            chunk_alpha, dots, chunk_hits = all_reduce_sum_(torch.stack(sums, dim=1), plan.tp_group)
             alpha[:, rows] = chunk_alpha.view(G, stop - start, b)
-            if chunk_labels is not None:
-                correct[:, rows] = (hits > 0).view(G, stop - start, b)
+            if labels is not None:
+                correct[:, rows] = (chunk_hits > 0).view(G, stop - start, b)
 
             coef, chunk_loss = _objective(chunk_alpha, token_weights, rows, plan.loss_type, b)
             loss += chunk_loss
             if not want_grad:
                 continue
-            for k, ((x, _, z_leaf, z, _), draft) in enumerate(zip(depths, drafts)):
-                g = ops.grad_(target, k * b, draft, dots[k], coef[k])
-                if z_leaf is not None:  # chain rule through the logit scaling function
+            for k, (p, q) in enumerate(pairs):
+                g = ops.written_grad(q) if grad_in_overlap else ops.grad_(p, q, dots[k], coef[k])
+                if plan.logits_fn is not None:  # chain rule through the logit scaling function
                     with torch.enable_grad():
-                        (g,) = torch.autograd.grad(z, z_leaf, g)
-                g = g.to(weight.dtype)
+                        leaf = raw[draft_rows[k]].detach().requires_grad_()
+                        (g,) = torch.autograd.grad(plan.logits_fn(leaf).float(), leaf, g)
+                g = g.to(weight.dtype)  # bf16 weights: bf16 products, fp32 accumulation
                 if grad_draft is not None:
-                    grad_draft[k, rows] = (g @ weight).view(stop - start, b, h)
+                    _matmul_into(grad_draft[k, rows].view(n, h), g, weight)
                 if grad_weight is not None:
-                    _accumulate_weight_grad(grad_weight, g, x)
-                drafts[k] = depths[k] = None  # free this depth's [n, V/tp] buffer now
+                    _accumulate_weight_grad(grad_weight, g, inputs[draft_rows[k]], weight_grad_started)
+                    weight_grad_started = True
+    if grad_weight is not None and not weight_grad_started:
+        grad_weight.zero_()
     return _SweepOutput(loss, alpha, correct, grad_draft, grad_weight)
 
 
@@ -329,25 +344,19 @@ def _virtual_rows(target_hidden, seg: TargetSegment, first: int, stop: int) -> t
     return torch.cat([body, tail]) if body.shape[0] else tail
 
 
-def _linear(x, weight):
-    return (x @ weight.t()).float()
+def _project(inputs, weight, out):
+    """``out = inputs @ weight^T`` in fp32 (``out`` is ``[m, V/tp]`` fp32)."""
+    if inputs.dtype == torch.float32 and weight.dtype == torch.float32:
+        return torch.mm(inputs, weight.t(), out=out)
+    return out.copy_(inputs @ weight.t())
 
 
-def _logits(x, weight, logits_fn):
-    z = _linear(x, weight)
-    return logits_fn(z) if logits_fn is not None else z
-
-
-def _apply_logits_fn(z_linear, logits_fn, want_grad):
-    """Apply ``logits_fn``; when gradients are needed keep a leaf to differentiate through it."""
-    if logits_fn is None:
-        return None, z_linear
-    if not want_grad:
-        return None, logits_fn(z_linear)
-    z_leaf = z_linear.requires_grad_()
-    with torch.enable_grad():
-        z = logits_fn(z_leaf)
-    return z_leaf, z
+def _matmul_into(out, g, weight):
+    """``out = g @ weight`` (``g``: ``[n, V/tp]`` logit gradient in the weight's dtype)."""
+    if out.dtype == g.dtype:
+        torch.mm(g, weight, out=out)
+    else:
+        out.copy_(g @ weight)
 
 
 def _label_logit(z, labels, vocab_start, vocab_stop):
@@ -358,8 +367,11 @@ def _label_logit(z, labels, vocab_start, vocab_stop):
     return torch.where(in_shard, picked, torch.full_like(picked, float('-inf')))
 
 
-def _accumulate_weight_grad(grad_weight, g, x):
+def _accumulate_weight_grad(grad_weight, g, x, accumulate: bool):
+    """``grad_weight (+)= g^T x``: overwrite on the first chunk, accumulate in fp32 after."""
     if g.dtype == torch.float32:
-        grad_weight.addmm_(g.t(), x.float())
-    else:  # low-precision product, fp32 accumulation across chunks
+        grad_weight.addmm_(g.t(), x.float(), beta=1.0 if accumulate else 0.0)
+    elif accumulate:  # low-precision product, fp32 accumulation across chunks
         grad_weight.add_(g.t() @ x)
+    else:
+        grad_weight.copy_(g.t() @ x)
