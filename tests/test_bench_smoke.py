@@ -109,8 +109,16 @@ def test_quick_run_prints_table_and_json(quick_report):
         assert r['denormal_grad_fraction'] < 1e-3  # otherwise the GEMMs time subnormals
         if r['impl'] == 'ce':
             assert r['ratio'] == 1.0 and r['met'] is None
+        elif r['impl'].endswith('-products'):
+            assert r['met'] is None and r['case'] in ('loss', 'tp')
         elif r['case'] == 'tp':
             assert len(r['peak_mib_per_rank']) == 2 and 'ratio_vs_tp1' in r
+    # Every loss/tp shape has its matrix-product floor, measured in the same run.
+    shapes = {(r['case'], r['seq'], r['tp']) for r in report['rows'] if r['case'] in ('loss', 'tp')}
+    assert {(f['case'], f['seq'], f['tp']) for f in report['floors']} == shapes
+    for f in report['floors']:
+        assert f['floor'] > 0 and f['tv_over_products'] > 0
+    assert 'Matrix-product floor' in stdout
 
 
 def test_quick_run_memory_is_sane(quick_report):
