@@ -143,3 +143,19 @@ def test_quick_run_memory_is_sane(quick_report):
         if r['impl'] == 'ce' and r['case'] in ('loss', 'tp'):
             # CE's peak holds at least its [s, V/tp] fp32 logits.
             assert r['peak_mib'] * MiB >= r['seq'] * 4 * V // r['tp']
+
+
+def test_gpu_check_dry_run_on_cpu(tmp_path):
+    """``tools/gpu_check.py`` is meant for a short GPU lease: keep it runnable, checks passing."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(TOOLS, 'gpu_check.py'), '--device', 'cpu', '--quick',
+         '--dtype', 'float32', '--warmup', '0', '--repeats', '1', '--out', str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / 'gpu_check.json').read_text())
+    assert report['checks'] and all(c['ok'] for c in report['checks'])
+    cases = {r['case'] for r in report['bench']['rows']}
+    assert {'ce', 'tv chunk 32', 'tv-recompute chunk 32', 'tv-products chunk 32',
+            'ce-products', 'e2e_tv chunk 32'} <= cases
+    assert '## Benchmark' in (tmp_path / 'gpu_check.md').read_text()

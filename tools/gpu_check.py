@@ -1,0 +1,389 @@
+"""One-shot GPU check: correctness on CUDA, then the bf16 benchmark with TFLOP/s.
+
+Made for a short lease on one GPU (an H200 here): one command, a few minutes, everything
+written to ``--out``. It needs only torch (+ Triton for the kernels); with megatron-core
+importable the CE baseline is Megatron's ``vocab_parallel_cross_entropy``, otherwise torch's
+``cross_entropy`` on the same fp32 logits (cheaper than Megatron's, so a stricter baseline).
+
+1. **Correctness** (fp32, Triton row kernels required): ``linear_tv_loss`` against the
+   independent full-vocabulary reference of ``tests/reference.py`` (float64, CPU) for ``'tv'`` and
+   ``'e2e_tv'``, 1 and 3 depths, several chunk sizes, fused and recompute; the Triton kernels
+   against the torch row ops at an LLM vocabulary (151936, several tiles); a bf16 model against
+   its fp32 twin.
+2. **Benchmark** (bf16 inputs and weight, fp32 loss math): per-depth TV fused / recompute against
+   linear + CE on the same tensors, the products-only floor of each side, and ``'e2e_tv'`` with 3
+   depths against 3 CE depths; CUDA-event medians, peak extra memory, and achieved TFLOP/s of
+   each against a large bf16 GEMM measured in the same run (the practical roofline).
+
+    python3 tools/gpu_check.py --out "$OUT"            # on the GPU machine
+    python3 tools/gpu_check.py --device cpu --quick    # dry run of the same code on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+for _p in (_HERE, _ROOT):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from bench_loss import _CEProducts, _TVProducts  # noqa: E402
+from megatron.mtp_tv.linear_tv import linear_tv_loss  # noqa: E402
+from megatron.mtp_tv.row_ops import TRITON_ENV, TorchRowOps, TritonRowOps, select_row_ops  # noqa: E402
+from tests.reference import depth_alphas, e2e_objective, tv_objective  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------------
+# Correctness
+# ------------------------------------------------------------------------------------------------
+def _weights(loss_type: str, masks: torch.Tensor, scale: float = 0.3) -> torch.Tensor:
+    G = masks.shape[0]
+    if loss_type == 'tv':
+        return masks * (scale / G / masks.sum(dim=(1, 2)).clamp(min=1)).view(-1, 1, 1)
+    chains = masks.prod(0)
+    return chains * scale / chains.sum().clamp(min=1)
+
+
+def check_against_reference(device: str, quick: bool) -> List[dict]:
+    """fp32 loss and gradients on ``device`` vs the float64 CPU reference."""
+    S, B, H, V = (9, 2, 16, 300) if quick else (37, 2, 32, 5003)
+    results = []
+    for loss_type in ('tv', 'e2e_tv'):
+        for G in (1, 3):
+            g = torch.Generator().manual_seed(G)
+            draft = torch.randn(G, S, B, H, generator=g, dtype=torch.float64)
+            target = torch.randn(S, B, H, generator=g, dtype=torch.float64)
+            weight = torch.randn(V, H, generator=g, dtype=torch.float64)
+            masks = (torch.rand(G, S, B, generator=g) > 0.3).double()
+            for k in range(G):
+                masks[k, S - k - 1 :] = 0
+            d_ref, w_ref = draft.clone().requires_grad_(), weight.clone().requires_grad_()
+            objective = tv_objective if loss_type == 'tv' else e2e_objective
+            ref = objective(depth_alphas(target, list(d_ref), w_ref), masks, 0.3)
+            ref.backward()
+            for chunk in (0, 7, 64):
+                for fused in (True, False):
+                    d = draft.float().to(device).requires_grad_()
+                    w = weight.float().to(device).requires_grad_()
+                    out = linear_tv_loss(d, target.float().to(device), w,
+                                         _weights(loss_type, masks).float().to(device),
+                                         loss_type=loss_type, chunk_size=chunk, fused=fused)
+                    out.loss.backward()
+                    errs = {
+                        'loss': abs(out.loss.item() - ref.item()),
+                        'grad_draft': (d.grad.cpu().double() - d_ref.grad).abs().max().item(),
+                        'grad_weight': (w.grad.cpu().double() - w_ref.grad).abs().max().item(),
+                    }
+                    ok = (errs['loss'] <= 1e-5 + 1e-4 * abs(ref.item())
+                          and errs['grad_draft'] <= 1e-6 + 1e-3 * d_ref.grad.abs().max().item()
+                          and errs['grad_weight'] <= 1e-6 + 1e-3 * w_ref.grad.abs().max().item())
+                    results.append({'check': 'reference', 'loss_type': loss_type, 'G': G,
+                                    'chunk': chunk, 'fused': fused, **errs, 'ok': ok})
+    return results
+
+
+def check_kernels_against_torch(device: str, quick: bool) -> List[dict]:
+    """Triton row kernels vs the torch row ops on the same logits (several vocabulary tiles)."""
+    n, V = (3, 5000) if quick else (48, 151936)
+    g = torch.Generator().manual_seed(0)
+    zt = (torch.randn(n + 2, V, generator=g) * 3).to(device)
+    zq = (torch.randn(n, V, generator=g) * 3).to(device)
+    coef = torch.rand(n, generator=g).to(device)
+
+    def passes(ops, offset):
+        t, t_max = ops.normalise_(zt.clone(), None)
+        q, q_max = ops.normalise_(zq.clone(), None)
+        p = ops.rows(t, offset, offset + n)
+        overlap, dot = ops.overlap(p, q)
+        return q_max, overlap, dot, ops.grad_(p, q, dot, coef).clone()
+
+    results = []
+    for offset in (0, 2):
+        ref = passes(TorchRowOps(), offset)
+        got = passes(TritonRowOps(), offset)
+        errs = {name: (a - b).abs().max().item() for name, a, b in
+                zip(('row_max', 'overlap', 'dot', 'grad'), got, ref)}
+        ok = (errs['row_max'] == 0.0 and errs['overlap'] <= 1e-5 and errs['dot'] <= 1e-5
+              and errs['grad'] <= 1e-4 * ref[3].abs().max().item() + 1e-9)
+        results.append({'check': 'kernels', 'n': n, 'V': V, 'offset': offset, **errs, 'ok': ok})
+    return results
+
+
+def check_bf16(device: str, quick: bool) -> List[dict]:
+    """A bf16 model (hidden states and weight) against its fp32 twin: same loss, finite grads."""
+    S, B, H, V = (16, 2, 32, 512) if quick else (256, 2, 512, 32768)
+    g = torch.Generator().manual_seed(3)
+    draft = torch.randn(2, S, B, H, generator=g)
+    target = torch.randn(S, B, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * H ** -0.5
+    w = torch.full((S, B), 1.0 / (S * B))
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        d = draft.to(device, dtype, copy=True).requires_grad_()
+        wt = weight.to(device, dtype, copy=True).requires_grad_()
+        res = linear_tv_loss(d, target.to(device, dtype), wt, w.to(device), 'e2e_tv', chunk_size=64)
+        res.loss.backward()
+        out[dtype] = (res.loss.item(), torch.isfinite(d.grad).all().item(),
+                      torch.isfinite(wt.grad).all().item())
+    diff = abs(out[torch.float32][0] - out[torch.bfloat16][0])
+    return [{'check': 'bf16 vs fp32', 'loss_fp32': out[torch.float32][0],
+             'loss_bf16': out[torch.bfloat16][0], 'abs_diff': diff,
+             'ok': diff <= 2e-2 and all(out[torch.bfloat16][1:])}]
+
+
+# ------------------------------------------------------------------------------------------------
+# Benchmark
+# ------------------------------------------------------------------------------------------------
+class Timer:
+    """Median wall time of ``fn`` in seconds (CUDA events on a GPU) and its peak extra memory."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith('cuda')
+
+    def __call__(self, fn: Callable[[], None], warmup: int, repeats: int):
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeats):
+            if self.cuda:
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                fn()
+                stop.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(stop) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        peak = None
+        if self.cuda:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            fn()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+        return statistics.median(times), times, peak
+
+
+def _ce_loss_fn():
+    """Megatron's vocab-parallel CE on a world of one, else torch's CE (the fallback is cheaper)."""
+    try:
+        import torch.distributed as dist
+        from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+        if not dist.is_initialized():
+            backend = 'nccl' if torch.cuda.is_available() else 'gloo'
+            dist.init_process_group(backend, init_method='tcp://127.0.0.1:29531', rank=0, world_size=1)
+        group = dist.group.WORLD
+
+        def ce(logits, labels):
+            return vocab_parallel_cross_entropy(logits, labels, tp_group=group)
+        return ce, 'megatron vocab_parallel_cross_entropy'
+    except ImportError:
+        def ce(logits, labels):
+            return torch.nn.functional.cross_entropy(
+                logits.float().flatten(0, -2), labels.flatten(), reduction='none').view(labels.shape)
+        return ce, 'torch cross_entropy (megatron-core not importable)'
+
+
+def gemm_roofline(device: str, dtype: torch.dtype, quick: bool, timer: Timer) -> float:
+    """TFLOP/s of one large square GEMM in ``dtype``: what this device's matrix units deliver."""
+    n = 512 if quick else 8192
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    t, _, _ = timer(lambda: a @ b, warmup=3, repeats=10)
+    return 2 * n ** 3 / t / 1e12
+
+
+def bench(device: str, dtype: torch.dtype, seqs: List[int], hidden: int, vocab: int,
+          chunks: List[int], e2e_depth: int, warmup: int, repeats: int, quick: bool) -> dict:
+    timer = Timer(device)
+    ce_loss, ce_name = _ce_loss_fn()
+    roofline = gemm_roofline(device, dtype, quick, timer)
+    rows = []
+    for s in seqs:
+        g = torch.Generator().manual_seed(s)
+        x = torch.randn(s, 1, hidden, generator=g).to(device, dtype).requires_grad_()
+        y = (x.detach().float().cpu() + torch.randn(s, 1, hidden, generator=g)).to(device, dtype)
+        weight = (torch.randn(vocab, hidden, generator=g) * 0.08).to(device, dtype).requires_grad_()
+        labels = torch.randint(0, vocab, (s, 1), generator=g).to(device)
+        w_tv = torch.full((1, s, 1), 1.0 / s, device=device)
+
+        def clear():
+            x.grad = weight.grad = None
+
+        def ce():
+            clear()
+            logits = x @ weight.t()
+            (ce_loss(logits, labels).sum() / s).backward()
+
+        def tv(chunk, fused):
+            def run():
+                clear()
+                linear_tv_loss(x.unsqueeze(0), y, weight, w_tv, 'tv', chunk_size=chunk,
+                               fused=fused).loss.backward()
+            return run
+
+        def products(fn):
+            def run():
+                clear()
+                fn().backward()
+            return run
+
+        n = s  # tokens (batch 1)
+        ce_flops = 3 * 2 * n * hidden * vocab
+        cases: Dict[str, tuple] = {'ce': (ce, ce_flops),
+                                   'ce-products': (products(lambda: _CEProducts.apply(x.view(s, hidden), weight)), ce_flops)}
+        for chunk in chunks:
+            tv_flops = 4 * 2 * n * hidden * vocab  # target, draft, g@W, g^T x (per token)
+            cases[f'tv chunk {chunk}'] = (tv(chunk, True), tv_flops)
+            cases[f'tv-recompute chunk {chunk}'] = (tv(chunk, False), tv_flops * 6 // 4)
+            cases[f'tv-products chunk {chunk}'] = (
+                products(lambda c=chunk: _TVProducts.apply(x.view(s, hidden), y.view(s, hidden), weight, c)),
+                tv_flops)
+        base = None
+        for name, (fn, flops) in cases.items():
+            t, times, peak = timer(fn, warmup, repeats)
+            base = t if name == 'ce' else base
+            rows.append({'seq': s, 'case': name, 'G': 1, 'time_s': t, 'times_s': times,
+                         'ratio_vs_ce': t / base, 'peak_extra_bytes': peak,
+                         'tflops': flops / t / 1e12, 'of_roofline': flops / t / 1e12 / roofline})
+        clear()
+        del x, y, weight, labels
+
+    # 'e2e_tv' with G depths against G CE depths, at the first sequence length.
+    s, G = seqs[0], e2e_depth
+    g = torch.Generator().manual_seed(7)
+    drafts = torch.randn(G, s, 1, hidden, generator=g).to(device, dtype).requires_grad_()
+    y = torch.randn(s, 1, hidden, generator=g).to(device, dtype)
+    weight = (torch.randn(vocab, hidden, generator=g) * 0.08).to(device, dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (s, 1), generator=g).to(device)
+    w_e2e = torch.full((s, 1), 1.0 / s, device=device)
+
+    def ce_depths():
+        drafts.grad = weight.grad = None
+        loss = sum(ce_loss(drafts[k] @ weight.t(), labels).sum() / s for k in range(G))
+        loss.backward()
+
+    def e2e(chunk):
+        def run():
+            drafts.grad = weight.grad = None
+            linear_tv_loss(drafts, y, weight, w_e2e, 'e2e_tv', chunk_size=chunk).loss.backward()
+        return run
+
+    base, _, peak = timer(ce_depths, warmup, repeats)
+    rows.append({'seq': s, 'case': f'ce x{G}', 'G': G, 'time_s': base, 'ratio_vs_ce': 1.0,
+                 'peak_extra_bytes': peak, 'tflops': G * 6 * s * hidden * vocab / base / 1e12})
+    for chunk in chunks:
+        t, times, peak = timer(e2e(chunk), warmup, repeats)
+        flops = 2 * hidden * vocab * (s + 3 * G * s)
+        rows.append({'seq': s, 'case': f'e2e_tv chunk {chunk}', 'G': G, 'time_s': t,
+                     'times_s': times, 'ratio_vs_ce': t / base, 'peak_extra_bytes': peak,
+                     'tflops': flops / t / 1e12, 'of_roofline': flops / t / 1e12 / roofline})
+    return {'ce_baseline': ce_name, 'gemm_roofline_tflops': roofline, 'rows': rows}
+
+
+# ------------------------------------------------------------------------------------------------
+def render(report: dict) -> str:
+    lines = ['# GPU check', '', f"command: `{report['command']}`", '',
+             f"device: {report['device_name']}; torch {report['torch']}; triton "
+             f"{report['triton']}; row ops: {report['row_ops']}", '', '## Correctness', '']
+    checks = report['checks']
+    failed = [c for c in checks if not c['ok']]
+    lines.append(f"{len(checks) - len(failed)}/{len(checks)} checks passed"
+                 + (': FAILED ' + json.dumps(failed) if failed else ''))
+    b = report.get('bench')
+    if b:
+        lines += ['', '## Benchmark', '',
+                  f"{report['dtype']} inputs and weight, fp32 loss math; hidden {report['hidden']}, "
+                  f"vocab {report['vocab']}, batch 1; CE baseline: {b['ce_baseline']}; "
+                  f"GEMM roofline (8192^3 {report['dtype']} product, same run): "
+                  f"{b['gemm_roofline_tflops']:.0f} TFLOP/s", '',
+                  '| seq | G | case | time (ms) | vs CE | peak extra MiB | TFLOP/s | of roofline |',
+                  '|---|---|---|---|---|---|---|---|']
+        for r in b['rows']:
+            peak = '-' if r['peak_extra_bytes'] is None else f"{r['peak_extra_bytes'] / 2**20:.0f}"
+            roof = f"{r['of_roofline']:.0%}" if 'of_roofline' in r else '-'
+            lines.append(f"| {r['seq']} | {r['G']} | {r['case']} | {r['time_s'] * 1e3:.2f} | "
+                         f"{r['ratio_vs_ce']:.2f}x | {peak} | {r['tflops']:.1f} | {roof} |")
+    return '\n'.join(lines)
+
+
+def main(argv=None) -> int:
+    def ints(text):
+        return [int(v) for v in text.split(',') if v]
+
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--device', default='cuda')
+    p.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float32'])
+    p.add_argument('--seqs', type=ints, default=None, help='default 4096,8192')
+    p.add_argument('--hidden', type=int, default=None, help='default 1024')
+    p.add_argument('--vocab', type=int, default=None, help='default 32768')
+    p.add_argument('--chunks', type=ints, default=None, help='default 512,4096')
+    p.add_argument('--e2e-depth', type=int, default=3)
+    p.add_argument('--warmup', type=int, default=3)
+    p.add_argument('--repeats', type=int, default=10)
+    p.add_argument('--quick', action='store_true', help='tiny shapes (dry run)')
+    p.add_argument('--skip-bench', action='store_true')
+    p.add_argument('--out', default=None, help='folder for gpu_check.md and gpu_check.json')
+    args = p.parse_args(argv)
+    quick = args.quick
+    seqs = args.seqs or ([64, 128] if quick else [4096, 8192])
+    hidden = args.hidden or (64 if quick else 1024)
+    vocab = args.vocab or (512 if quick else 32768)
+    chunks = args.chunks or ([32] if quick else [512, 4096])
+    if args.device.startswith('cuda') and not torch.cuda.is_available():
+        print('gpu_check: torch sees no CUDA device', file=sys.stderr)
+        return 2
+    if args.device.startswith('cuda'):
+        os.environ.setdefault(TRITON_ENV, '1')  # the check is about the kernels: never fall back
+    ops, reason = select_row_ops(torch.zeros(1, 1, device=args.device))
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = 'not installed'
+    report = {
+        'command': ' '.join(['python3', 'tools/gpu_check.py', *(argv or sys.argv[1:])]),
+        'device_name': torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu',
+        'torch': torch.__version__, 'triton': triton_version,
+        'row_ops': ops.name + (f' ({reason})' if reason else ''),
+        'dtype': args.dtype, 'hidden': hidden, 'vocab': vocab,
+    }
+    t0 = time.perf_counter()
+    checks = check_against_reference(args.device, quick)
+    if ops.name == 'triton':
+        checks += check_kernels_against_torch(args.device, quick)
+    checks += check_bf16(args.device, quick)
+    report['checks'] = checks
+    print(f"correctness: {sum(c['ok'] for c in checks)}/{len(checks)} in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    if not args.skip_bench:
+        report['bench'] = bench(args.device, getattr(torch, args.dtype), seqs, hidden, vocab,
+                                chunks, args.e2e_depth, args.warmup, args.repeats, quick)
+    text = render(report)
+    print(text, flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, 'gpu_check.md'), 'w') as f:
+            f.write(text + '\n')
+        with open(os.path.join(args.out, 'gpu_check.json'), 'w') as f:
+            json.dump(report, f, indent=1)
+    return 0 if all(c['ok'] for c in checks) else 1
+
+
+if __name__ == '__main__':
+    sys.exit(main())
