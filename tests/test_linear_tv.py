@@ -58,6 +58,20 @@ def test_matches_reference(loss_type, G, chunk, fused):
     assert target.grad is None  # the target is detached
 
 
+@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv'])
+@pytest.mark.parametrize('chunk', [0, 1, 5, 100])
+def test_fused_and_recompute_paths_agree_exactly(loss_type, chunk):
+    results = []
+    for fused in (True, False):
+        draft, target, weight, masks = _inputs(3, dtype=torch.float32)
+        out = linear_tv_loss(draft, target, weight, _weights(loss_type, masks), loss_type=loss_type,
+                             chunk_size=chunk, fused=fused)
+        out.loss.backward()
+        results.append((out.loss, out.alpha, draft.grad, weight.grad))
+    for fused_value, recomputed_value in zip(*results):
+        assert torch.equal(fused_value, recomputed_value)
+
+
 def test_e2e_equals_tv_for_one_depth():
     draft, target, weight, masks = _inputs(1)
     tv = linear_tv_loss(draft, target, weight, _weights('tv', masks), loss_type='tv')

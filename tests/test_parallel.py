@@ -2,12 +2,16 @@
 
 Spawned gloo workers on CPU. Whole-model runs compare TP=2 against TP=1 with the same weights;
 ``process_mtp_loss``-level runs compare context-parallel ranks and packed rows against the
-independent full-sequence reference in ``tests.reference``.
+independent full-sequence reference in ``tests.reference``. Every worker also reruns with
+``MEGATRON_MTP_TV_FUSED=0`` (the recompute path), which must give the same numbers.
 """
+
+import os
 
 import pytest
 import torch
 
+from megatron.mtp_tv.mtp_loss import FUSED_ENV
 from megatron.mtp_tv.testing.distributed import spawn
 from tests.reference import depth_alphas, e2e_objective, shifted_mask, tv_objective
 
@@ -35,13 +39,20 @@ def _model_worker(rank, loss_type, depth, tie, sequence_parallel):
         mtp_tv_chunk=5, mtp_loss_scaling_factor=FACTOR,
     )
     tokens, labels, mask = _batch()
-    loss = forward_loss(model, tokens, labels, mask)
-    ((loss * mask).sum() / mask.sum()).backward()
-    if sequence_parallel:
-        allreduce_sequence_parallel_grads(model)
-    logged = MTPLossLoggingHelper.tracker['loss_values'].clone()
-    metrics = {k: float(v) for k, v in acceptance_metrics().items()}
-    return gather_tp_params(model), logged, metrics
+    runs = []
+    for fused in ('1', '0'):  # the default fused path, then the recompute path on the same model
+        os.environ[FUSED_ENV] = fused
+        for param in model.parameters():
+            param.grad = None
+        MTPLossLoggingHelper.tracker.clear()
+        loss = forward_loss(model, tokens, labels, mask)
+        ((loss * mask).sum() / mask.sum()).backward()
+        if sequence_parallel:
+            allreduce_sequence_parallel_grads(model)
+        logged = MTPLossLoggingHelper.tracker['loss_values'].clone()
+        metrics = {k: float(v) for k, v in acceptance_metrics().items()}
+        runs.append((gather_tp_params(model), logged, metrics))
+    return runs
 
 
 @pytest.mark.parametrize(
@@ -57,13 +68,16 @@ def _model_worker(rank, loss_type, depth, tie, sequence_parallel):
 def test_whole_model_tp2_matches_tp1(loss_type, depth, tie, sequence_parallel):
     from megatron.mtp_tv.testing.models import compare_gathered
 
-    (ref_params, ref_logged, ref_metrics), = spawn(_model_worker, 1, loss_type, depth, tie, False)
+    ((ref_params, ref_logged, ref_metrics), _), = spawn(_model_worker, 1, loss_type, depth, tie, False)
     results = spawn(_model_worker, 2, loss_type, depth, tie, sequence_parallel, tp=2)
-    for params, logged, metrics in results:
+    for (params, logged, metrics), recomputed in results:
         assert compare_gathered(ref_params, params, atol=1e-5, rtol=1e-4) == []
         torch.testing.assert_close(logged, ref_logged, rtol=1e-5, atol=1e-6)
         assert metrics == pytest.approx(ref_metrics, rel=1e-5)
-    assert results[0][2] == results[1][2]  # the metrics agree across TP ranks
+        # MEGATRON_MTP_TV_FUSED=0 recomputes the same chunks in backward: the same numbers.
+        assert compare_gathered(params, recomputed[0], atol=0, rtol=0) == []
+        assert torch.equal(logged, recomputed[1]) and metrics == recomputed[2]
+    assert results[0][0][2] == results[1][0][2]  # the metrics agree across TP ranks
 
 
 # ---------------------------------------------------------------- process_mtp_loss level
@@ -109,15 +123,21 @@ def _loss_worker(rank, loss_type, depth, s, seq_lengths, pad):
     )
     with torch.no_grad():
         layer.weight.copy_(weight)
-    out = mtp.process_mtp_loss(
-        hidden_states=local_hidden, labels=labels[:, index], loss_mask=mask[:, index],
-        output_layer=layer, output_weight=None, runtime_gather_output=None, is_training=True,
-        compute_language_model_loss=None, config=config, cp_group=cp_group,
-        packed_seq_params=packed,
-    )
-    (out * 0).sum().backward()  # only the MTP loss riding on MTPLossAutoScaler
-    logged = mtp.MTPLossLoggingHelper.tracker['loss_values'].clone()
-    return index, local_hidden.grad, layer.weight.grad, logged
+    runs = []
+    for fused in ('1', '0'):  # the default fused path, then the recompute path
+        os.environ[FUSED_ENV] = fused
+        local_hidden.grad = layer.weight.grad = None
+        mtp.MTPLossLoggingHelper.tracker.clear()
+        out = mtp.process_mtp_loss(
+            hidden_states=local_hidden, labels=labels[:, index], loss_mask=mask[:, index],
+            output_layer=layer, output_weight=None, runtime_gather_output=None, is_training=True,
+            compute_language_model_loss=None, config=config, cp_group=cp_group,
+            packed_seq_params=packed,
+        )
+        (out * 0).sum().backward()  # only the MTP loss riding on MTPLossAutoScaler
+        logged = mtp.MTPLossLoggingHelper.tracker['loss_values'].clone()
+        runs.append((local_hidden.grad, layer.weight.grad, logged))
+    return (index, *runs[0], runs[1])
 
 
 def _reference_for_rank(loss_type, depth, s, index, seq_bounds):
@@ -137,7 +157,9 @@ def _reference_for_rank(loss_type, depth, s, index, seq_bounds):
 
 
 def _check_against_reference(results, loss_type, depth, s, seq_bounds):
-    for index, grad, weight_grad, logged in results:
+    for index, grad, weight_grad, logged, recomputed in results:
+        for fused_value, recomputed_value in zip((grad, weight_grad, logged), recomputed):
+            assert torch.equal(fused_value, recomputed_value)  # fused and recompute paths agree
         ref_grad, ref_weight_grad, ref_tv = _reference_for_rank(loss_type, depth, s, index, seq_bounds)
         torch.testing.assert_close(logged.double(), ref_tv, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-4, atol=1e-7)
