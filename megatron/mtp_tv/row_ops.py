@@ -50,9 +50,9 @@ class TorchRowOps:
 
     Why it is shaped this way (CPU, where this is the production path):
 
-    * every pass writes into memory that already exists (the logits, or scratch buffers that
-      live as long as this object, i.e. one sweep): a fresh ``[n, V]`` tensor per pass costs more
-      in page faults than the arithmetic;
+    * every pass writes into memory that already exists (the logits, or block-sized scratch
+      buffers that live as long as this object, i.e. one sweep): a fresh ``[n, V]`` tensor per
+      pass costs more in page faults than the arithmetic;
     * the indicator ``1[q < p]`` is kept as 0/1 floats: mixed bool/float products take a slow
       path;
     * the passes of a phase run over blocks of about :data:`BLOCK_ELEMENTS` values, so the
@@ -104,25 +104,25 @@ class TorchRowOps:
         already complete) the logit gradient is also written into ``q`` in the same pass, while
         each block is in cache, as :meth:`grad_` would.
         """
-        below, work = self._buffer('below', q), self._buffer('work', q)
         overlap, dot = q.new_empty(q.shape[0]), q.new_empty(q.shape[0])
         neg_coef = grad_coef.neg().unsqueeze(-1) if grad_coef is not None else None
         for rows in self._blocks(q):
-            torch.lt(q[rows], p[rows], out=below[rows])  # strict: at a tie min() is p
-            torch.sum(torch.minimum(p[rows], q[rows], out=work[rows]), dim=-1, out=overlap[rows])
-            torch.sum(torch.mul(q[rows], below[rows], out=work[rows]), dim=-1, out=dot[rows])
+            qb, pb = q[rows], p[rows]
+            below, work = self._buffer('below', qb), self._buffer('work', qb)
+            torch.lt(qb, pb, out=below)  # strict: at a tie min() is p
+            torch.sum(torch.minimum(pb, qb, out=work), dim=-1, out=overlap[rows])
+            torch.sum(torch.mul(qb, below, out=work), dim=-1, out=dot[rows])
             if neg_coef is not None:
-                q[rows].mul_(below[rows].sub_(dot[rows].unsqueeze(-1)).mul_(neg_coef[rows]))
+                qb.mul_(below.sub_(dot[rows].unsqueeze(-1)).mul_(neg_coef[rows]))
         return overlap, dot
 
     def grad_(self, p: torch.Tensor, q: torch.Tensor, dot: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
         """``coef * q * (dot - 1[q < p])`` written into ``q``; the indicator is recomputed (one
         compare, in cache) rather than kept per depth from :meth:`overlap`."""
-        factor = self._buffer('below', q)
         dot, neg_coef = dot.unsqueeze(-1), coef.neg().unsqueeze(-1)
         for rows in self._blocks(q):
-            torch.lt(q[rows], p[rows], out=factor[rows])
-            q[rows].mul_(factor[rows].sub_(dot[rows]).mul_(neg_coef[rows]))
+            factor = torch.lt(q[rows], p[rows], out=self._buffer('below', q[rows]))
+            q[rows].mul_(factor.sub_(dot[rows]).mul_(neg_coef[rows]))
         return q
 
     def _blocks(self, z: torch.Tensor):
