@@ -92,6 +92,19 @@ def test_logits_fn_chain_rule():
     torch.testing.assert_close(got, weight.grad, rtol=1e-4, atol=1e-7)
 
 
+def test_logits_fn_returning_its_input_matches_no_logits_fn():
+    # Megatron's _scale_logits returns the logits tensor itself when MuP's multiplier is 1.
+    results = []
+    for fn in (None, lambda z: z):
+        draft, target, weight, masks = _inputs(2, dtype=torch.float32)
+        out = linear_tv_loss(draft, target, weight, _weights('e2e_tv', masks), loss_type='e2e_tv',
+                             logits_fn=fn, chunk_size=3)
+        out.loss.backward()
+        results.append((out.loss, draft.grad, weight.grad))
+    for plain, through_fn in zip(*results):
+        assert torch.equal(plain, through_fn)
+
+
 def test_tie_convention_passes_no_gradient_through_tied_entries():
     # Exact binary fractions: entry 0 has q < p, entry 1 ties, entry 2 has q > p.
     p = torch.tensor([[0.5, 0.25, 0.25]])

@@ -105,7 +105,8 @@ def linear_tv_loss(
         chunk_size: tokens per chunk (0: one chunk per segment). A chunk covers
             ``max(1, chunk_size // b)`` positions.
         tp_group: group the vocabulary is sharded over (None: full vocabulary on this rank).
-        logits_fn: optional elementwise function applied to the logits (e.g. MuP scaling).
+        logits_fn: optional elementwise function applied to the logits (e.g. MuP scaling); it may
+            return its input unchanged but must not modify it in place.
         segments: see :class:`TargetSegment`; default one segment over the whole sequence.
         labels: optional ``[G, s, b]`` token ids for greedy-accuracy counts.
         fused: compute gradients during forward (default) or recompute chunks in backward.
