@@ -83,3 +83,14 @@ def e2e_objective(alpha, masks, scale):
         accepted = accepted + prod
     per_position = 1 - accepted / G
     return scale * (chains * per_position).sum() / chains.sum().clamp(min=1)
+
+
+def token_weights(loss_type: str, masks: torch.Tensor, scale: float = 0.3) -> torch.Tensor:
+    """The ``token_weights`` argument that makes ``linear_tv_loss`` equal :func:`tv_objective` /
+    :func:`e2e_objective` with ``masks`` and ``scale``: ``[G, s, b]`` for ``'tv'``, ``[s, b]``
+    (one weight per valid chain) for ``'e2e_tv'``."""
+    G = masks.shape[0]
+    if loss_type == 'tv':
+        return masks * (scale / G / masks.sum(dim=(1, 2)).clamp(min=1)).view(-1, 1, 1)
+    chains = masks.prod(0)
+    return chains * scale / chains.sum().clamp(min=1)

@@ -5,7 +5,7 @@ import torch
 
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.row_ops import TorchRowOps
-from tests.reference import depth_alphas, e2e_objective, tv_objective
+from tests.reference import depth_alphas, e2e_objective, token_weights, tv_objective
 
 S, B, H, V = 7, 2, 8, 13
 
@@ -21,15 +21,6 @@ def _inputs(G, seed=0, dtype=torch.float64):
     return draft, target, weight, masks
 
 
-def _weights(loss_type, masks, scale=0.3):
-    G = masks.shape[0]
-    if loss_type == 'tv':
-        n = masks.sum(dim=(1, 2)).clamp(min=1)
-        return masks * (scale / G / n).view(-1, 1, 1)
-    chains = masks.prod(0)
-    return chains * scale / chains.sum().clamp(min=1)
-
-
 def _reference(loss_type, draft, target, weight, masks, scale=0.3, logits_fn=None):
     alpha = depth_alphas(target, list(draft), weight, logits_fn=logits_fn)
     objective = tv_objective if loss_type == 'tv' else e2e_objective
@@ -43,7 +34,7 @@ def _reference(loss_type, draft, target, weight, masks, scale=0.3, logits_fn=Non
 def test_matches_reference(loss_type, G, chunk, fused):
     draft, target, weight, masks = _inputs(G)
     out = linear_tv_loss(
-        draft, target, weight, _weights(loss_type, masks), loss_type=loss_type,
+        draft, target, weight, token_weights(loss_type, masks), loss_type=loss_type,
         chunk_size=chunk, fused=fused,
     )
     out.loss.backward()
@@ -64,7 +55,7 @@ def test_fused_and_recompute_paths_agree_exactly(loss_type, chunk):
     results = []
     for fused in (True, False):
         draft, target, weight, masks = _inputs(3, dtype=torch.float32)
-        out = linear_tv_loss(draft, target, weight, _weights(loss_type, masks), loss_type=loss_type,
+        out = linear_tv_loss(draft, target, weight, token_weights(loss_type, masks), loss_type=loss_type,
                              chunk_size=chunk, fused=fused)
         out.loss.backward()
         results.append((out.loss, out.alpha, draft.grad, weight.grad))
@@ -74,15 +65,15 @@ def test_fused_and_recompute_paths_agree_exactly(loss_type, chunk):
 
 def test_e2e_equals_tv_for_one_depth():
     draft, target, weight, masks = _inputs(1)
-    tv = linear_tv_loss(draft, target, weight, _weights('tv', masks), loss_type='tv')
-    e2e = linear_tv_loss(draft, target, weight, _weights('e2e_tv', masks), loss_type='e2e_tv')
+    tv = linear_tv_loss(draft, target, weight, token_weights('tv', masks), loss_type='tv')
+    e2e = linear_tv_loss(draft, target, weight, token_weights('e2e_tv', masks), loss_type='e2e_tv')
     torch.testing.assert_close(tv.loss, e2e.loss)
 
 
 def test_logits_fn_chain_rule():
     draft, target, weight, masks = _inputs(2)
     fn = lambda z: 0.37 * z  # noqa: E731  (MuP-style output scaling)
-    out = linear_tv_loss(draft, target, weight, _weights('tv', masks), loss_type='tv', logits_fn=fn, chunk_size=3)
+    out = linear_tv_loss(draft, target, weight, token_weights('tv', masks), loss_type='tv', logits_fn=fn, chunk_size=3)
     out.loss.backward()
     got = weight.grad.clone()
     weight.grad = draft.grad = None
@@ -97,7 +88,7 @@ def test_logits_fn_returning_its_input_matches_no_logits_fn():
     results = []
     for fn in (None, lambda z: z):
         draft, target, weight, masks = _inputs(2, dtype=torch.float32)
-        out = linear_tv_loss(draft, target, weight, _weights('e2e_tv', masks), loss_type='e2e_tv',
+        out = linear_tv_loss(draft, target, weight, token_weights('e2e_tv', masks), loss_type='e2e_tv',
                              logits_fn=fn, chunk_size=3)
         out.loss.backward()
         results.append((out.loss, draft.grad, weight.grad))
@@ -129,7 +120,7 @@ def test_e2e_gradient_is_finite_when_an_alpha_is_zero():
     masks = torch.ones(2, 3, 1)
     masks[0, 2:] = 0
     masks[1, 1:] = 0
-    out = linear_tv_loss(draft, target, weight.requires_grad_(), _weights('e2e_tv', masks), loss_type='e2e_tv')
+    out = linear_tv_loss(draft, target, weight.requires_grad_(), token_weights('e2e_tv', masks), loss_type='e2e_tv')
     assert out.alpha[0, 0, 0].item() == 0.0
     out.loss.backward()
     assert torch.isfinite(draft.grad).all() and torch.isfinite(weight.grad).all()
@@ -137,7 +128,7 @@ def test_e2e_gradient_is_finite_when_an_alpha_is_zero():
 
 def test_detached_weight_gets_no_gradient_and_skips_weight_products():
     draft, target, weight, masks = _inputs(2)
-    out = linear_tv_loss(draft, target, weight.detach(), _weights('tv', masks), loss_type='tv')
+    out = linear_tv_loss(draft, target, weight.detach(), token_weights('tv', masks), loss_type='tv')
     out.loss.backward()
     assert weight.grad is None and draft.grad is not None
 
@@ -145,7 +136,7 @@ def test_detached_weight_gets_no_gradient_and_skips_weight_products():
 @pytest.mark.parametrize('fused', [True, False])
 def test_upstream_gradient_scales_and_a_second_backward_is_refused_when_fused(fused):
     draft, target, weight, masks = _inputs(2)
-    out = linear_tv_loss(draft, target, weight, _weights('tv', masks), loss_type='tv', fused=fused)
+    out = linear_tv_loss(draft, target, weight, token_weights('tv', masks), loss_type='tv', fused=fused)
     ref, _ = _reference('tv', draft, target, weight, masks)
     (3.0 * out.loss).backward(retain_graph=True)
     got = draft.grad.clone(), weight.grad.clone()
@@ -166,7 +157,7 @@ def test_greedy_correct_counts_argmax_hits():
         argmax = torch.stack([(d @ weight.t()).argmax(-1) for d in draft])
     labels = argmax.clone()
     labels[:, ::2] = (labels[:, ::2] + 1) % V  # every other position wrong
-    out = linear_tv_loss(draft, target, weight, _weights('tv', masks), loss_type='tv', labels=labels)
+    out = linear_tv_loss(draft, target, weight, token_weights('tv', masks), loss_type='tv', labels=labels)
     assert torch.equal(out.greedy_correct, labels == argmax)
 
 

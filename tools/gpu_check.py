@@ -40,20 +40,12 @@ for _p in (_HERE, _ROOT):
 from bench_loss import _CEProducts, _TVProducts  # noqa: E402
 from megatron.mtp_tv.linear_tv import linear_tv_loss  # noqa: E402
 from megatron.mtp_tv.row_ops import TRITON_ENV, TorchRowOps, TritonRowOps, select_row_ops  # noqa: E402
-from tests.reference import depth_alphas, e2e_objective, tv_objective  # noqa: E402
+from tests.reference import depth_alphas, e2e_objective, token_weights, tv_objective  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------
 # Correctness
 # ------------------------------------------------------------------------------------------------
-def _weights(loss_type: str, masks: torch.Tensor, scale: float = 0.3) -> torch.Tensor:
-    G = masks.shape[0]
-    if loss_type == 'tv':
-        return masks * (scale / G / masks.sum(dim=(1, 2)).clamp(min=1)).view(-1, 1, 1)
-    chains = masks.prod(0)
-    return chains * scale / chains.sum().clamp(min=1)
-
-
 def check_against_reference(device: str, quick: bool) -> List[dict]:
     """fp32 loss and gradients on ``device`` vs the float64 CPU reference."""
     S, B, H, V = (9, 2, 16, 300) if quick else (37, 2, 32, 5003)
@@ -76,7 +68,7 @@ def check_against_reference(device: str, quick: bool) -> List[dict]:
                     d = draft.float().to(device).requires_grad_()
                     w = weight.float().to(device).requires_grad_()
                     out = linear_tv_loss(d, target.float().to(device), w,
-                                         _weights(loss_type, masks).float().to(device),
+                                         token_weights(loss_type, masks).float().to(device),
                                          loss_type=loss_type, chunk_size=chunk, fused=fused)
                     out.loss.backward()
                     errs = {
@@ -262,7 +254,6 @@ def bench(device: str, dtype: torch.dtype, seqs: List[int], hidden: int, vocab: 
                          'ratio_vs_ce': t / base, 'peak_extra_bytes': peak,
                          'tflops': flops / t / 1e12, 'of_roofline': flops / t / 1e12 / roofline})
         clear()
-        del x, y, weight, labels
 
     # 'e2e_tv' with G depths against G CE depths, at the first sequence length.
     s, G = seqs[0], e2e_depth

@@ -97,7 +97,9 @@ class TorchRowOps:
         """The logit gradient ``overlap(..., grad_coef)`` wrote over the draft rows ``q``."""
         return q
 
-    def overlap(self, p: torch.Tensor, q: torch.Tensor, grad_coef: Optional[torch.Tensor] = None):
+    def overlap(
+        self, p: torch.Tensor, q: torch.Tensor, grad_coef: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """This shard's ``(sum_v min(p, q), sum_v q_v 1[q_v < p_v])`` per row.
 
         With ``grad_coef`` (only when this shard holds the whole vocabulary, so the dot product is
