@@ -12,12 +12,22 @@ The fields below are the single source of truth for both ways of shipping the fe
 This module must not import Megatron: it is imported before Megatron is patched.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-MTPLossType = Literal['ce', 'tv', 'e2e_tv']
+MTPLossType = Literal['ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk']
 
 MTP_LOSS_TYPES: tuple = get_args(MTPLossType)
+
+#: Names of Megatron's own cross-entropy MTP loss: ``'ce'`` here, ``'cross_entropy'`` in
+#: upstream Megatron-LM's pull request for the same feature (NVIDIA/Megatron-LM #6473).
+CROSS_ENTROPY_NAMES = ('ce', 'cross_entropy')
+
+
+def is_cross_entropy(loss_type: str) -> bool:
+    """Whether ``loss_type`` selects Megatron's own cross-entropy MTP loss."""
+    return loss_type in CROSS_ENTROPY_NAMES
 
 
 # BEGIN MTP_TV FIELDS (copied verbatim into TransformerConfig by tools/make_patches.py)
@@ -25,26 +35,46 @@ MTP_LOSS_TYPES: tuple = get_args(MTPLossType)
 class MTPLossConfig:
     """MTP loss settings (merged into ``TransformerConfig``)."""
 
-    mtp_loss_type: Literal['ce', 'tv', 'e2e_tv'] = 'ce'
+    mtp_loss_type: Literal['ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk'] = 'ce'
     """Training objective of the Multi-Token Prediction (MTP) heads.
-    'ce': cross-entropy against the data labels (Megatron's original loss).
+    'ce' (alias 'cross_entropy'): cross-entropy against the data labels (Megatron's original loss).
     'tv': per-depth total variation 1 - sum_v min(p, q_k) between the main model's detached
     next-token distribution p and the depth-k draft distribution q_k; 1 - TV is the
     rejection-sampling acceptance rate, so this trains the heads for speculative decoding.
     'e2e_tv': end-to-end multi-depth objective 1 - (1/D) sum_j prod_{i<=j} alpha_i
-    (expected accepted draft tokens per verify step over D), trained jointly over all depths."""
+    (expected accepted draft tokens per verify step over D), trained jointly over all depths.
+    'kl': per-depth KL(p || q_k) against the same detached target (self-distillation); learns
+    from a cold start, where the TV gradient vanishes.
+    'lk': the LK hybrid lambda * KL(p || q_k) + (1 - lambda) * (1 - alpha_k) with
+    lambda = exp(-mtp_lk_eta * alpha_k) held constant: KL while a head is cold, TV once warm."""
 
     mtp_tv_chunk: int = 0
-    """Tokens per chunk for the 'tv' and 'e2e_tv' losses (0: one chunk). Draft and target logits
+    """Tokens per chunk for the 'tv', 'e2e_tv', 'kl' and 'lk' losses. Draft and target logits
     exist for one chunk at a time, so the extra memory of the MTP loss is O(chunk * vocab / tp)
-    whatever the sequence length. A chunk holds at least one sequence position (micro-batch
-    size tokens)."""
+    whatever the sequence length. 0 (default): automatic, the live fp32 logits of a chunk are
+    at most the size of the [vocab / tp, hidden] fp32 weight gradient and at most half of what
+    the cross-entropy path keeps for the same tokens. A chunk holds at least one sequence
+    position (micro-batch size tokens)."""
+
+    mtp_tv_temperature: float = 1.0
+    """Temperature the drafts will be verified at (rejection sampling with target and draft both
+    sampled at T): p and q are softmax(logits / T) in every loss but 'ce' and in the acceptance
+    metrics. Must be > 0 and finite."""
+
+    mtp_lk_eta: float = 3.0
+    """eta of the 'lk' loss, lambda = exp(-eta * alpha): 0 is 'kl', large values approach 'tv'.
+    Must be >= 0 and finite."""
 
     mtp_log_acceptance: bool = False
-    """Log the expected rejection-sampling acceptance (per-depth mean alpha and the expected
-    accepted draft tokens per verify step) with mtp_loss_type='ce' too. Always on for 'tv' and
-    'e2e_tv'. Costs one extra projection of the main hidden states per MTP depth."""
+    """Log the expected rejection-sampling acceptance (per-depth mean alpha, the expected
+    accepted draft tokens per verify step, greedy agreement with the main model) with
+    mtp_loss_type='ce' too. Always on for the other loss types. Costs one extra projection of
+    the main hidden states per chunk, without gradients."""
 # END MTP_TV FIELDS
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def validate_mtp_loss_config(config) -> None:
@@ -65,13 +95,21 @@ def validate_mtp_loss_config(config) -> None:
     chunk = getattr(config, 'mtp_tv_chunk', 0)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
         raise ValueError(
-            f"mtp_tv_chunk={chunk!r} is invalid; it must be an int >= 0 (0 means one chunk)."
+            f"mtp_tv_chunk={chunk!r} is invalid; it must be an int >= 0 (0 means automatic)."
         )
+    temperature = getattr(config, 'mtp_tv_temperature', 1.0)
+    if not _is_real(temperature) or not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(
+            f"mtp_tv_temperature={temperature!r} is invalid; it must be a finite number > 0."
+        )
+    eta = getattr(config, 'mtp_lk_eta', 3.0)
+    if not _is_real(eta) or not math.isfinite(eta) or eta < 0:
+        raise ValueError(f"mtp_lk_eta={eta!r} is invalid; it must be a finite number >= 0.")
     log_acceptance = getattr(config, 'mtp_log_acceptance', False)
     if not isinstance(log_acceptance, bool):
         raise ValueError(f"mtp_log_acceptance={log_acceptance!r} must be True or False.")
     num_layers = getattr(config, 'mtp_num_layers', None)
-    if loss_type != 'ce' and not num_layers:
+    if not is_cross_entropy(loss_type) and not num_layers:
         raise ValueError(
             f"mtp_loss_type={loss_type!r} trains MTP heads, but mtp_num_layers={num_layers!r}; "
             "set mtp_num_layers >= 1 or use mtp_loss_type='ce'."

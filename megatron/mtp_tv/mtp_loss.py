@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer import multi_token_prediction as _mtp
 
 from .alignment import target_segments
+from .config import is_cross_entropy
 from .linear_tv import linear_tv_loss
 from .metrics import save_acceptance_to_tracker
 from .vocab_parallel import group_size
@@ -75,7 +76,7 @@ def process_mtp_tv_loss(
     del compute_language_model_loss, runtime_gather_output  # the TV path never builds full logits
     depth = config.mtp_num_layers
     loss_type = getattr(config, 'mtp_loss_type', 'ce')
-    if loss_type == 'ce':
+    if is_cross_entropy(loss_type):
         loss_type = 'tv'  # metrics only
     hidden_states_list = torch.chunk(hidden_states, 1 + depth, dim=0)
     main_hidden = hidden_states_list[0]

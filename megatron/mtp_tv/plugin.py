@@ -167,7 +167,7 @@ def _with_tv_losses(megatron_process_mtp_loss: Callable) -> Callable:
     def process_mtp_loss(*args, **kwargs):
         bound = inspect.signature(megatron_process_mtp_loss).bind(*args, **kwargs).arguments
         config = bound['config']
-        if getattr(config, 'mtp_loss_type', 'ce') != 'ce':
+        if not _config.is_cross_entropy(getattr(config, 'mtp_loss_type', 'ce')):
             return process_mtp_tv_loss(**bound)
         out = megatron_process_mtp_loss(*args, **kwargs)
         if getattr(config, 'mtp_log_acceptance', False) and bound.get('is_training'):
