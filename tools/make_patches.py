@@ -76,7 +76,19 @@ INLINE_CONDITION = "self.config.mtp_num_layers and mtp_kwargs.get('mtp_labels', 
 WHEEL_REQUIREMENT = 'megatron-core==0.19.2'
 WHEEL_NAME = 'megatron_core-0.19.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl'
 WHEEL_SHA256 = '8e3e486f13f559450415b9b9dc0ff3331a0bb83dd154553f7f350a75ff9c42b5'
-CACHE_DIR = Path(os.environ.get('MTP_TV_CACHE', Path.home() / '.cache' / 'megatron-mtp-tv'))
+
+
+def cache_dir() -> Path:
+    """This project's cache folder (the wheel, the patched tree), created if it does not exist.
+
+    ``$MTP_TV_CACHE`` if set and not empty, else ``~/.cache/megatron-mtp-tv``. Read at each call,
+    not at import, so that a caller (CI, a test) can point it elsewhere after importing this
+    module; created here because on a fresh machine nothing else creates it and every writer
+    (``pip download -d``, ``tempfile.mkdtemp(dir=...)``) needs it to exist.
+    """
+    path = Path(os.environ.get('MTP_TV_CACHE') or Path.home() / '.cache' / 'megatron-mtp-tv')
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 @dataclass(frozen=True)
@@ -629,17 +641,17 @@ def files_sha(text: str) -> str:
 
 def wheel_path(download: bool = True) -> Path:
     """The megatron-core 0.19.2 wheel (cached; downloaded from the registry with pip)."""
-    path = CACHE_DIR / WHEEL_NAME
+    cache = cache_dir()
+    path = cache / WHEEL_NAME
     if not path.exists() and download:
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
         subprocess.run(
             [sys.executable, '-m', 'pip', 'download', '--quiet', '--no-deps', '--only-binary=:all:',
              '--platform', 'manylinux_2_28_x86_64', '--python-version', '3.12',
-             '--implementation', 'cp', '-d', str(CACHE_DIR), WHEEL_REQUIREMENT],
+             '--implementation', 'cp', '-d', str(cache), WHEEL_REQUIREMENT],
             check=True,
         )
     if not path.exists():
-        raise PatchError(f'{WHEEL_NAME} not found in {CACHE_DIR}')
+        raise PatchError(f'{WHEEL_NAME} not found in {cache}')
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if digest != WHEEL_SHA256:
         raise PatchError(f'{path}: sha256 {digest} != pinned {WHEEL_SHA256}')

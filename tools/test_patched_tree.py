@@ -68,13 +68,14 @@ def cached_patched_tree() -> Path:
     key = hashlib.sha256(
         (make_patches.WHEEL_SHA256 + hashlib.sha256(PATCH.read_bytes()).hexdigest()).encode()
     ).hexdigest()[:16]
-    tree = make_patches.CACHE_DIR / f'megatron-core-0.19.2-patched-{key}'
+    cache = make_patches.cache_dir()  # creates it: on a fresh machine nothing else has
+    tree = cache / f'megatron-core-0.19.2-patched-{key}'
     stamp = tree / '.complete'
     if stamp.exists():
         return tree
-    for old in make_patches.CACHE_DIR.glob('megatron-core-0.19.2-patched-*'):
+    for old in cache.glob('megatron-core-0.19.2-patched-*'):
         shutil.rmtree(old, ignore_errors=True)
-    building = Path(tempfile.mkdtemp(prefix='building-', dir=make_patches.CACHE_DIR))
+    building = Path(tempfile.mkdtemp(prefix='building-', dir=cache))
     unpack_and_patch(building)
     subprocess.run([sys.executable, '-m', 'compileall', '-q', '-j', '0', str(building / 'megatron')],
                    check=False, stdout=subprocess.DEVNULL)
