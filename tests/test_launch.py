@@ -59,6 +59,39 @@ def test_script_runs_as_main_with_its_argv_and_directory(tmp_path, calls):
     assert calls == ['install', 'install']
 
 
+def test_symlinked_script_finds_the_modules_next_to_its_target(tmp_path, calls):
+    """``python link.py`` puts the linked-to file's directory first on ``sys.path`` (realpath, not
+    the link's own directory); the launcher must too, or the script's sibling imports fail."""
+    real = tmp_path / 'checkout'
+    real.mkdir()
+    (real / 'launch_sibling_probe.py').write_text('WHERE = "next to the real script"\n')
+    out = tmp_path / 'out.txt'
+    _script(real, f"""
+        import sys
+        import launch_sibling_probe
+        with open({str(out)!r}, 'w') as f:
+            f.write(repr((sys.path[0], launch_sibling_probe.WHERE)))
+    """, name='pretrain_probe.py')
+    links = tmp_path / 'links'
+    links.mkdir()
+    link = links / 'link.py'
+    link.symlink_to(real / 'pretrain_probe.py')
+
+    plain = subprocess.run([sys.executable, str(link)], capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in os.environ.items() if k != startup_hook.ENV})
+    assert plain.returncode == 0, plain.stderr
+    expected = (str(real), 'next to the real script')
+    assert eval(out.read_text()) == expected  # what Python itself does
+    out.unlink()
+    sys.modules.pop('launch_sibling_probe', None)
+    try:
+        launch.main([str(link)])
+    finally:
+        sys.modules.pop('launch_sibling_probe', None)
+    assert eval(out.read_text()) == expected
+    assert calls == ['install']
+
+
 def test_exceptions_propagate_unchanged(tmp_path, calls):
     script = _script(tmp_path, """
         class Boom(Exception):

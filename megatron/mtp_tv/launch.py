@@ -8,7 +8,8 @@
 :func:`megatron.mtp_tv.install` runs first, then the script runs exactly as ``python script.py
 args...`` would run it: as ``__main__``, with ``sys.argv == [script, *args]``, with the script's
 directory first on ``sys.path`` (so ``pretrain_gpt.py`` finds ``gpt_builders``, ``model_provider``
-and the checkout's ``megatron`` next to it), and with its exit code and exceptions propagating
+and the checkout's ``megatron`` next to it; for a symlinked script, the directory of the file it
+links to, as Python does), and with its exit code and exceptions propagating
 unchanged (``sys.exit(3)`` exits 3; an uncaught exception prints its traceback and exits 1).
 ``-m module`` runs a module the way ``python -m module`` does.
 
@@ -42,8 +43,10 @@ def main(argv=None) -> None:
     # As `python script.py` would: the script's directory replaces this launcher's sys.path[0]
     # (for `python -m megatron.mtp_tv.launch` that entry is the current directory). Set before
     # install() so a Megatron-LM checkout next to the script is the megatron that gets patched.
+    # realpath, not abspath: Python resolves symlinks here, so a linked script finds the modules
+    # next to the file it links to, not those next to the link.
     if target is not None:
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        sys.path[0] = os.path.dirname(os.path.realpath(target))
 
     from megatron.mtp_tv import install
 
