@@ -1,6 +1,7 @@
 """``python -m megatron.mtp_tv.launch`` runs a script unchanged with the plugin installed, and the
 start-up hook installs it in programs one does not launch (``MEGATRON_MTP_TV=1``)."""
 
+import builtins
 import os
 import subprocess
 import sys
@@ -149,11 +150,15 @@ def test_launcher_end_to_end_flags_reach_megatron_args(tmp_path):
 
 
 def _probe(pth_dir, env_value):
+    """A fresh process that processes the .pth the way ``site`` does at start-up; prints which
+    of the hook, torch and megatron-core got imported, and whether the plugin got installed."""
     code = textwrap.dedent(f"""
         import site, sys
         site.addsitedir({str(pth_dir)!r})
-        import megatron.mtp_tv.plugin as p
-        print(p.is_installed(), 'megatron.core' in sys.modules)
+        hook, deps = 'megatron.mtp_tv.startup_hook', ('torch', 'megatron.core')
+        loaded = [m in sys.modules for m in (hook, *deps)]
+        installed = hook in sys.modules and sys.modules['megatron.mtp_tv'].is_installed()
+        print(*loaded, installed)
     """)
     extra = {} if env_value is None else {startup_hook.ENV: env_value}
     return subprocess.run([sys.executable, '-W', 'ignore', '-c', code], env=_env(**extra),
@@ -161,14 +166,55 @@ def _probe(pth_dir, env_value):
 
 
 def test_startup_hook_line(tmp_path):
-    """The .pth line (processed by ``site`` as at interpreter start-up) installs only when asked."""
+    """The .pth line (processed by ``site`` as at interpreter start-up) installs only when asked;
+    off and unrecognised values import nothing (``false`` once turned it on), and an
+    unrecognised value says so on stderr."""
     (tmp_path / startup_hook.PTH_NAME).write_text(startup_hook.PTH_LINE)
-    off = _probe(tmp_path, None)
-    assert off.stdout.split() == ['False', 'False'], off.stderr[-3000:]
-    zero = _probe(tmp_path, '0')
-    assert zero.stdout.split() == ['False', 'False'], zero.stderr[-3000:]
-    on = _probe(tmp_path, '1')
-    assert on.stdout.split() == ['True', 'True'], on.stderr[-3000:]
+    nothing = ['False'] * 4
+    for value in (None, '', '0', 'false', 'False', 'off'):
+        off = _probe(tmp_path, value)
+        assert off.stdout.split() == nothing, (value, off.stdout, off.stderr[-3000:])
+        assert off.stderr == '', (value, off.stderr[-3000:])
+    typo = _probe(tmp_path, 'ture')
+    assert typo.stdout.split() == nothing, typo.stderr[-3000:]
+    assert typo.stderr == startup_hook.UNRECOGNISED_WARNING % 'ture'
+    on = _probe(tmp_path, 'TRUE')
+    assert on.stdout.split() == ['True'] * 4, on.stderr[-3000:]
+
+
+@pytest.mark.parametrize('value, expected', [
+    (None, 'off'), ('', 'off'), ('0', 'off'), ('false', 'off'), ('False', 'off'), ('NO', 'off'),
+    ('off', 'off'), (' 0 ', 'off'),
+    ('1', 'on'), ('true', 'on'), ('True', 'on'), ('YES', 'on'), ('on', 'on'), ('On ', 'on'),
+    ('2', 'unrecognised'), ('ture', 'unrecognised'), ('enabled', 'unrecognised'),
+    ('-1', 'unrecognised'),
+])
+def test_startup_hook_spellings(value, expected, monkeypatch, capsys):
+    """Every spelling, in the .pth line itself (run in this process with ``__import__`` recorded
+    instead of installing) and in :func:`startup_hook.state`, which must agree with it."""
+    if value is None:
+        monkeypatch.delenv(startup_hook.ENV, raising=False)
+    else:
+        monkeypatch.setenv(startup_hook.ENV, value)
+    imported = []
+
+    def recording_import(name, *args, **kwargs):
+        if name.startswith('megatron'):
+            imported.append(name)
+            return None
+        return builtins.__import__(name, *args, **kwargs)
+
+    namespace = {'__builtins__': {**vars(builtins), '__import__': recording_import}}
+    exec(startup_hook.PTH_LINE, namespace)
+    err = capsys.readouterr().err
+    assert imported == (['megatron.mtp_tv.startup_hook'] if expected == 'on' else [])
+    if expected == 'unrecognised':
+        assert repr(value) in err and 'true' in err and 'false' in err, err
+        assert err == startup_hook.UNRECOGNISED_WARNING % value
+    else:
+        assert err == ''
+    assert startup_hook.state() == expected
+    assert startup_hook.enabled() == (expected == 'on')
 
 
 def test_setup_py_ships_the_same_pth_line():

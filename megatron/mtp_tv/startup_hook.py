@@ -1,19 +1,23 @@
 """Install the plugin at interpreter start-up, for programs you do not launch yourself.
 
-A one-line ``megatron_mtp_tv.pth`` file in site-packages runs at every interpreter start-up::
+A one-line ``megatron_mtp_tv.pth`` file in site-packages runs at every interpreter start-up
+(:data:`PTH_LINE`). It reads ``MEGATRON_MTP_TV`` (case and surrounding blanks ignored):
 
-    import os; os.environ.get('MEGATRON_MTP_TV', '0') not in ('', '0') and __import__('megatron.mtp_tv.startup_hook')
+* unset, empty, ``0``, ``false``, ``no`` or ``off`` (the default): nothing else happens; the cost
+  is that one environment lookup (``os`` and ``sys`` are already imported by ``site``).
+* ``1``, ``true``, ``yes`` or ``on``: this module is imported and calls
+  :func:`megatron.mtp_tv.install`, which imports megatron-core (and torch) in *every* Python
+  process that sees the variable, whether it uses Megatron or not (measured:
+  ``tools/measure_startup_hook.py``). Set it only in the environment of the training processes
+  (e.g. ``env MEGATRON_MTP_TV=1 torchrun ...``, or a Ray job's ``runtime_env``); child processes
+  inherit it.
+* anything else (a typo, ``2``, ``enabled``): one line on stderr naming the value and the accepted
+  spellings, and the hook stays off. Off, not on, because a value the hook cannot read must not
+  import torch and megatron-core into every process; the warning is decided in the line itself,
+  so even it imports nothing.
 
-* ``MEGATRON_MTP_TV`` unset, empty or ``0`` (the default): nothing else happens; the cost is that
-  one environment lookup (``os`` is already imported by ``site``).
-* ``MEGATRON_MTP_TV=1``: this module is imported and calls :func:`megatron.mtp_tv.install`, which
-  imports megatron-core (and torch) in *every* Python process that sees the variable, whether it
-  uses Megatron or not (measured: ``tools/measure_startup_hook.py``). Set it only in the
-  environment of the training processes (e.g. ``env MEGATRON_MTP_TV=1 torchrun ...``, or a Ray
-  job's ``runtime_env``); child processes inherit it.
-
-Turn it off with ``unset MEGATRON_MTP_TV`` (or ``MEGATRON_MTP_TV=0``); remove the file with
-``python -m megatron.mtp_tv.startup_hook uninstall``. Manage the file::
+Turn it off with ``unset MEGATRON_MTP_TV`` (or ``MEGATRON_MTP_TV=0`` or ``false``); remove the
+file with ``python -m megatron.mtp_tv.startup_hook uninstall``. Manage the file::
 
     python -m megatron.mtp_tv.startup_hook install     # write the .pth into this interpreter's site-packages
     python -m megatron.mtp_tv.startup_hook uninstall   # remove it
@@ -32,16 +36,43 @@ import os
 import sys
 
 ENV = 'MEGATRON_MTP_TV'
+#: Values of ``MEGATRON_MTP_TV`` (lower-cased, blanks stripped) that turn the hook on / off.
+ON_VALUES = ('1', 'true', 'yes', 'on')
+OFF_VALUES = ('', '0', 'false', 'no', 'off')
+#: Printed (``%`` the raw value) for any other value; the hook then stays off.
+UNRECOGNISED_WARNING = (
+    f'megatron.mtp_tv: {ENV}=%r is not recognised, so the start-up hook stays off '
+    f'(on: {", ".join(ON_VALUES)}; off: unset, empty, {", ".join(OFF_VALUES[1:])}; any case)\n'
+)
 PTH_NAME = 'megatron_mtp_tv.pth'
+#: The .pth line. ``site`` executes it in every interpreter, so it decides by itself, with the
+#: ``os`` and ``sys`` modules ``site`` has already imported: off and unrecognised values import
+#: nothing (not even this package, whose ``__init__`` imports torch); only on values import this
+#: module, which installs the plugin. ``site`` runs a line only if it starts with ``import``.
 PTH_LINE = (
-    f"import os; os.environ.get('{ENV}', '0') not in ('', '0') "
-    "and __import__('megatron.mtp_tv.startup_hook')\n"
+    f"import os, sys; v = os.environ.get({ENV!r}, '').strip().lower(); "
+    f"v in {ON_VALUES!r} and __import__('megatron.mtp_tv.startup_hook'); "
+    f"v in {ON_VALUES + OFF_VALUES!r} or "
+    f"sys.stderr.write({UNRECOGNISED_WARNING!r} % (os.environ[{ENV!r}],))\n"
 )
 
 
+def state(value=None) -> str:
+    """``'on'``, ``'off'`` or ``'unrecognised'`` (which is off too) for a ``MEGATRON_MTP_TV`` value.
+
+    Args:
+        value: The value to read; None reads the environment (unset counts as empty).
+    """
+    value = os.environ.get(ENV, '') if value is None else value
+    key = value.strip().lower()
+    if key in ON_VALUES:
+        return 'on'
+    return 'off' if key in OFF_VALUES else 'unrecognised'
+
+
 def enabled() -> bool:
-    """Whether the environment asks for the plugin at start-up."""
-    return os.environ.get(ENV, '0') not in ('', '0')
+    """Whether the environment asks for the plugin at start-up (what :data:`PTH_LINE` decides)."""
+    return state() == 'on'
 
 
 def _install_at_startup() -> None:
@@ -83,7 +114,8 @@ def _cli(argv) -> int:
             print(f'{path} does not exist')
     else:
         print(f'{path}: {"present" if os.path.exists(path) else "absent"}; '
-              f'{ENV}={os.environ.get(ENV, "")!r} ({"on" if enabled() else "off"})')
+              f'{ENV}={os.environ.get(ENV, "")!r} ({state()}'
+              f'{"" if state() != "unrecognised" else ": off"})')
     return 0
 
 
