@@ -27,9 +27,11 @@ from megatron.mtp_tv.speculative import (
     VerifyResult,
     acceptance_probability,
     expected_accepted_drafts,
+    probabilities,
     rao_blackwell_accepted,
     residual_distribution,
     verify,
+    verify_greedy,
 )
 
 V = 8
@@ -260,3 +262,65 @@ def test_checks_reject_a_wrong_verifier(broken, monkeypatch):
     result = _run(verifier, p, q, seed=10)
     with pytest.raises(AssertionError, match='claim violated'):
         assert_claim_holds(sampler_checks(result, p, q))
+
+
+# --------------------------------------------------------------------------------------------
+# Greedy verification (T = 0) and sampling at a temperature.
+
+
+def test_greedy_accepts_the_agreeing_prefix_and_emits_the_main_models_greedy_decoding():
+    g = torch.Generator().manual_seed(0)
+    batch = 4000
+    logits = torch.randn(batch, GAMMA + 1, V, generator=g, dtype=torch.float64)
+    greedy = logits.argmax(-1)
+    # Drafts that agree with the main model's argmax with probability 1/2 at each depth.
+    wrong = (greedy[:, :GAMMA] + torch.randint(1, V, (batch, GAMMA), generator=g)) % V
+    agree = torch.rand(batch, GAMMA, generator=g) < 0.5
+    drafts = torch.where(agree, greedy[:, :GAMMA], wrong)
+    result = verify_greedy(drafts, logits)
+    expected = agree.long().cumprod(-1)
+    assert torch.equal(result.accepted, expected.bool())
+    assert torch.equal(result.num_accepted, expected.sum(-1))
+    assert torch.equal(result.alpha, agree.double())
+    assert torch.equal(rao_blackwell_accepted(result), expected.sum(-1).double())
+    for b in range(batch):  # the emitted tokens are the main model's greedy tokens, then padding
+        k = int(result.num_accepted[b])
+        assert result.tokens[b, : k + 1].tolist() == greedy[b, : k + 1].tolist()
+        assert (result.tokens[b, k + 1 :] == -1).all()
+    counts = torch.bincount(result.num_accepted, minlength=GAMMA + 1)
+    assert counts.tolist()[0] > 0 and counts.tolist()[GAMMA] > 0
+
+
+def test_greedy_ties_go_to_the_lowest_token_id():
+    logits = torch.zeros(1, 2, V)
+    logits[0, 0, [2, 5]] = 1.0  # tie between 2 and 5
+    assert verify_greedy(torch.tensor([[2]]), logits).num_accepted.item() == 1
+    assert verify_greedy(torch.tensor([[5]]), logits).num_accepted.item() == 0
+    assert verify_greedy(torch.tensor([[5]]), logits).tokens.tolist() == [[2, -1]]
+
+
+def test_greedy_bad_shapes_raise():
+    with pytest.raises(ValueError, match='target_logits'):
+        verify_greedy(torch.zeros(2, GAMMA, dtype=torch.long), torch.zeros(2, GAMMA, V))
+    with pytest.raises(ValueError, match='outside'):
+        verify_greedy(torch.full((2, GAMMA), V), torch.zeros(2, GAMMA + 1, V))
+
+
+def test_verifier_at_a_temperature_accepts_with_sum_min_of_the_tempered_distributions():
+    """At T = 0.7, drafts sampled from q_T and verified against p_T: acceptance sum min(p_T, q_T),
+    output distributed as p_T, i.e. exactly the claim at T = 1 for the tempered distributions."""
+    g = torch.Generator().manual_seed(5)
+    zp = torch.randn(GAMMA + 1, V, generator=g, dtype=torch.float64)
+    zq = torch.randn(GAMMA, V, generator=g, dtype=torch.float64)
+    p, q = probabilities(zp, 0.7), probabilities(zq, 0.7)
+    assert torch.allclose(p, torch.softmax(zp / 0.7, -1))
+    assert not torch.allclose(acceptance_probability(p[:GAMMA], q),
+                              acceptance_probability(torch.softmax(zp[:GAMMA], -1),
+                                                     torch.softmax(zq, -1)))
+    assert_claim_holds(sampler_checks(_run(verify, p, q, seed=21), p, q))
+
+
+@pytest.mark.parametrize('temperature', [0.0, -1.0, float('nan'), float('inf')])
+def test_probabilities_rejects_a_bad_temperature(temperature):
+    with pytest.raises(ValueError, match='temperature'):
+        probabilities(torch.zeros(3), temperature)

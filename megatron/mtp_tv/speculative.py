@@ -15,10 +15,15 @@ probability of accepting ``d_i`` given that ``d_1 .. d_{i-1}`` were accepted is
 ``alpha_i = sum_v min(p_i, q_i) = 1 - TV(p_i, q_i)``. So the expected number of accepted drafts per
 verify step is ``sum_j prod_{i<=j} alpha_i`` and one more token is always emitted.
 
+Serving at a temperature ``T`` samples both models at ``T``: :func:`probabilities` gives
+``softmax(z / T)`` for either side, and the same verifier then accepts with probability
+``sum_v min(p_T, q_T)``. Greedy serving (``T = 0``) is :func:`verify_greedy`: each draft is the
+draft model's argmax and is accepted iff it is also the main model's argmax, so the output is
+exactly the main model's greedy decoding.
+
 Pure torch (no Megatron): everything here is batched over a leading batch dimension ``B`` of
-independent verify steps, works on probabilities (temperature, if any, is applied by the caller;
-there is no top-k/top-p truncation) and draws all randomness from an optional
-``torch.Generator`` so that a seeded run is reproducible.
+independent verify steps, works on probabilities (there is no top-k/top-p truncation) and draws
+all randomness from an optional ``torch.Generator`` so that a seeded run is reproducible.
 """
 
 from typing import NamedTuple, Optional
@@ -32,6 +37,8 @@ __all__ = [
     'residual_distribution',
     'sample',
     'verify',
+    'verify_greedy',
+    'probabilities',
     'expected_accepted_drafts',
     'rao_blackwell_accepted',
 ]
@@ -172,6 +179,71 @@ def verify(
     tokens[rows, num_accepted] = extra
     alpha = acceptance_probability(p_draft, draft_probs)
     return VerifyResult(num_accepted=num_accepted, tokens=tokens, accepted=accepted, alpha=alpha)
+
+
+def verify_greedy(draft_tokens: Tensor, target_logits: Tensor) -> VerifyResult:
+    """Greedy verification (temperature 0) of ``B`` verify steps of ``gamma`` drafts each.
+
+    Draft ``d_i`` is accepted iff it equals ``argmax p_i`` and every earlier draft was accepted.
+    The extra token is ``argmax p`` at the first rejected position, or the bonus ``argmax
+    p_{gamma+1}``; the emitted tokens are therefore exactly the main model's greedy decoding.
+    Ties go to the lowest token id (``torch.argmax``). No randomness.
+
+    Args:
+        draft_tokens: ``[B, gamma]`` int64 drafts (for greedy drafting, the draft model's argmax).
+        target_logits: ``[B, gamma + 1, V]`` main-model logits (or probabilities: only the argmax
+            is used) at the positions of ``d_1 .. d_gamma`` and after ``d_gamma``.
+
+    Returns:
+        A :class:`VerifyResult` whose ``alpha`` is the 0/1 agreement ``1[d_i == argmax p_i]`` at
+        every draft position (reached or not), so :func:`rao_blackwell_accepted` returns the count.
+
+    Raises:
+        ValueError: on inconsistent shapes or a draft token outside the vocabulary.
+    """
+    if draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must be [B, gamma], got shape {tuple(draft_tokens.shape)}")
+    batch, gamma = draft_tokens.shape
+    if target_logits.dim() != 3 or tuple(target_logits.shape[:2]) != (batch, gamma + 1):
+        raise ValueError(
+            f"target_logits must be [B, gamma + 1, V] = [{batch}, {gamma + 1}, V], "
+            f"got {tuple(target_logits.shape)}"
+        )
+    vocab = target_logits.shape[-1]
+    if gamma and (draft_tokens.min() < 0 or draft_tokens.max() >= vocab):
+        raise ValueError(f"draft_tokens must lie in [0, {vocab}); got values outside")
+    greedy = target_logits.argmax(dim=-1)  # [B, gamma + 1]
+    agree = draft_tokens.long() == greedy[:, :gamma]
+    accepted = agree.long().cumprod(dim=-1).bool()
+    num_accepted = accepted.sum(dim=-1)
+    rows = torch.arange(batch, device=draft_tokens.device)
+    tokens = torch.full((batch, gamma + 1), -1, dtype=torch.long, device=draft_tokens.device)
+    tokens[:, :gamma] = torch.where(accepted, draft_tokens.long(), tokens[:, :gamma])
+    tokens[rows, num_accepted] = greedy[rows, num_accepted]
+    alpha = agree.to(target_logits.dtype if target_logits.is_floating_point() else torch.float32)
+    return VerifyResult(num_accepted=num_accepted, tokens=tokens, accepted=accepted, alpha=alpha)
+
+
+def probabilities(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Sampling distribution at ``temperature``: ``softmax(logits / T)`` over the last dim, in fp32
+    (or the input's dtype if wider).
+
+    Args:
+        logits: ``[..., V]``.
+        temperature: ``T > 0`` and finite; greedy decoding (``T = 0``) has no distribution, use
+            :func:`verify_greedy` and ``argmax``.
+
+    Raises:
+        ValueError: for ``T <= 0``, NaN or infinity.
+    """
+    t = float(temperature)
+    if not (0.0 < t < float('inf')):
+        raise ValueError(
+            f"temperature={temperature!r} must be a finite number > 0 (for greedy decoding, "
+            "T = 0, use argmax and verify_greedy)"
+        )
+    z = logits if logits.dtype == torch.float64 else logits.float()
+    return torch.softmax(z / t if t != 1.0 else z, dim=-1)
 
 
 def expected_accepted_drafts(alpha: Tensor) -> Tensor:
