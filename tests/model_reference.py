@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from tests.reference import depth_alphas, e2e_objective, shifted_mask, tv_objective
+from tests.reference import depth_terms, objective, per_token_values, shifted_mask
 
 
 @contextlib.contextmanager
@@ -37,20 +37,24 @@ def recorded_mtp_hidden(monkeypatch_target_modules=('megatron.core.models.gpt.gp
 
 
 def mtp_reference_objective(
-    hidden, depth, weight, loss_mask, loss_type, scale, seq_bounds=None, per_token_scale=1.0
+    hidden, depth, weight, loss_mask, loss_type, scale, seq_bounds=None, per_token_scale=1.0,
+    temperature=1.0, eta=3.0,
 ):
     """The MTP part of the objective from recorded hidden states ``[(1+D)s, b, h]``.
 
     ``loss_mask`` is the ``[b, s]`` mask of the main loss (labels shifted once); depth k's mask is
     it shifted by k+1 within each sequence.
 
-    Returns ``(objective, alpha [D, s, b], masks [D, s, b])``.
+    Returns ``(objective, alpha [D, s, b], masks [D, s, b], logged [D])``, ``logged`` being the
+    masked mean per-token objective of each depth that ``mtp_{k} loss`` reports.
     """
     chunks = torch.chunk(hidden, 1 + depth, dim=0)
     main, depths = chunks[0], list(chunks[1:])
-    alpha = depth_alphas(main.detach(), depths, weight, seq_bounds=seq_bounds)
+    alpha, kl = depth_terms(main.detach(), depths, weight, seq_bounds=seq_bounds, temperature=temperature)
     masks = torch.stack(
         [shifted_mask(loss_mask, k + 1, seq_bounds).t() for k in range(depth)]
     ).double()
-    objective = tv_objective if loss_type == 'tv' else e2e_objective
-    return objective(alpha, masks, scale) * per_token_scale, alpha, masks
+    value = objective(loss_type, alpha, kl, masks, scale, eta) * per_token_scale
+    per_token = per_token_values(loss_type, alpha, kl, eta).detach()
+    logged = (masks * per_token).sum((1, 2)) / masks.sum((1, 2)).clamp(min=1)
+    return value, alpha, masks, logged.float()

@@ -1,10 +1,14 @@
 """Independent references written from the equations: full vocabulary, unchunked, one process.
 
-Nothing here imports the package under test. DESIGN.md section 1:
+Nothing here imports the package under test. DESIGN.md sections 1 and 5, with p and q the
+softmax of the logits divided by the temperature T:
 alpha = sum_v min(p, q); per-depth loss 1 - alpha; end-to-end loss
-1 - (1/G) sum_j prod_{i<=j} alpha_i; p detached; at ties the minimum takes p (strict q < p).
+1 - (1/G) sum_j prod_{i<=j} alpha_i; KL(p || q) = sum_v p (log p - log q); LK
+lambda KL + (1 - lambda)(1 - alpha) with lambda = exp(-eta alpha) held constant; p detached; at
+ties the minimum takes p (strict q < p).
 """
 
+import math
 from typing import List, Optional, Sequence
 
 import torch
@@ -31,31 +35,77 @@ def shifted_mask(mask: torch.Tensor, shift: int, seq_bounds: Optional[Sequence[i
     return out
 
 
-def depth_alphas(main_hidden, depth_hidden: List[torch.Tensor], weight, seq_bounds=None, logits_fn=None):
-    """``alpha[k][t, b]`` for every depth k: p from main_hidden at t+k+1 (detached), q from depth k.
+def depth_terms(
+    main_hidden, depth_hidden: List[torch.Tensor], weight, seq_bounds=None, logits_fn=None,
+    temperature: float = 1.0,
+):
+    """``(alpha, kl)``, each ``[G, s, b]``: for every depth k, p from main_hidden at t+k+1
+    (detached), q from depth k, both ``softmax(logits / T)`` in float64.
 
-    Positions whose target lies outside their sequence get alpha computed against a uniform p
-    (they are masked anyway). Shapes: main_hidden ``[s, b, h]``, depth_hidden[k] ``[s, b, h]``,
-    weight ``[V, h]``. Returns ``[G, s, b]`` (differentiable w.r.t. depth_hidden and weight).
+    Positions whose target lies outside their sequence are compared with a uniform p (they are
+    masked anyway). Shapes: main_hidden ``[s, b, h]``, depth_hidden[k] ``[s, b, h]``, weight
+    ``[V, h]``. Differentiable w.r.t. depth_hidden and weight.
     """
     fn = logits_fn or (lambda z: z)
     s, b, _ = main_hidden.shape
-    p_all = torch.softmax(fn((main_hidden @ weight.t()).double()), dim=-1).detach()
+    log_p_all = torch.log_softmax(fn((main_hidden @ weight.t()).double()) / temperature, dim=-1).detach()
     bounds = list(seq_bounds) if seq_bounds is not None else [0, s]
     seq_end = torch.empty(s, dtype=torch.long)
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         seq_end[lo:hi] = hi
-    uniform = torch.full_like(p_all[0, 0], 1.0 / p_all.shape[-1])
-    alphas = []
+    uniform = torch.full_like(log_p_all[0, 0], -math.log(log_p_all.shape[-1]))
+    alphas, kls = [], []
     for k, hidden in enumerate(depth_hidden):
-        q = torch.softmax(fn((hidden @ weight.t()).double()), dim=-1)
-        rows = []
+        log_q = torch.log_softmax(fn((hidden @ weight.t()).double()) / temperature, dim=-1)
+        alpha_rows, kl_rows = [], []
         for t in range(s):
             target = t + k + 1
-            p = p_all[target] if target < seq_end[t] else uniform.expand(b, -1)
-            rows.append(tv_min(p, q[t]).sum(-1))
-        alphas.append(torch.stack(rows))
-    return torch.stack(alphas)
+            log_p = log_p_all[target] if target < seq_end[t] else uniform.expand(b, -1)
+            p, q = log_p.exp(), log_q[t].exp()
+            alpha_rows.append(tv_min(p, q).sum(-1))
+            kl_rows.append((p * (log_p - log_q[t])).sum(-1))
+        alphas.append(torch.stack(alpha_rows))
+        kls.append(torch.stack(kl_rows))
+    return torch.stack(alphas), torch.stack(kls)
+
+
+def depth_alphas(main_hidden, depth_hidden: List[torch.Tensor], weight, seq_bounds=None, logits_fn=None,
+                 temperature: float = 1.0):
+    """``alpha[k][t, b]`` of :func:`depth_terms` (``[G, s, b]``)."""
+    return depth_terms(main_hidden, depth_hidden, weight, seq_bounds, logits_fn, temperature)[0]
+
+
+def per_depth_objective(values, masks, scale):
+    """``(scale/G) * sum_k sum(mask_k * values_k) / n_k`` (values, masks: ``[G, s, b]``)."""
+    G = values.shape[0]
+    total = 0.0
+    for k in range(G):
+        n = masks[k].sum().clamp(min=1)
+        total = total + (masks[k] * values[k]).sum() / n
+    return scale / G * total
+
+
+def lk_values(alpha, kl, eta):
+    """Per-token LK objective ``lambda kl + (1 - lambda)(1 - alpha)``, ``lambda = exp(-eta alpha)``
+    with no gradient through lambda."""
+    lam = torch.exp(-eta * alpha.detach())
+    return lam * kl + (1 - lam) * (1 - alpha)
+
+
+def per_token_values(loss_type, alpha, kl, eta=3.0):
+    """The per-token objective each depth logs as ``mtp_{k} loss`` (``1 - alpha`` for the TV losses)."""
+    if loss_type in ('tv', 'e2e_tv'):
+        return 1 - alpha
+    return kl if loss_type == 'kl' else lk_values(alpha, kl, eta)
+
+
+def objective(loss_type, alpha, kl, masks, scale, eta=3.0):
+    """The Megatron-normalised objective of ``loss_type`` from per-token alpha and kl."""
+    if loss_type == 'e2e_tv':
+        return e2e_objective(alpha, masks, scale)
+    if loss_type not in ('tv', 'kl', 'lk'):
+        raise ValueError(loss_type)
+    return per_depth_objective(per_token_values(loss_type, alpha, kl, eta), masks, scale)
 
 
 def tv_objective(alpha, masks, scale):
@@ -86,11 +136,11 @@ def e2e_objective(alpha, masks, scale):
 
 
 def token_weights(loss_type: str, masks: torch.Tensor, scale: float = 0.3) -> torch.Tensor:
-    """The ``token_weights`` argument that makes ``linear_tv_loss`` equal :func:`tv_objective` /
-    :func:`e2e_objective` with ``masks`` and ``scale``: ``[G, s, b]`` for ``'tv'``, ``[s, b]``
+    """The ``token_weights`` argument that makes ``linear_tv_loss`` equal :func:`objective` with
+    ``masks`` and ``scale``: ``[G, s, b]`` per depth (``'tv'``, ``'kl'``, ``'lk'``), ``[s, b]``
     (one weight per valid chain) for ``'e2e_tv'``."""
     G = masks.shape[0]
-    if loss_type == 'tv':
+    if loss_type != 'e2e_tv':
         return masks * (scale / G / masks.sum(dim=(1, 2)).clamp(min=1)).view(-1, 1, 1)
     chains = masks.prod(0)
     return chains * scale / chains.sum().clamp(min=1)

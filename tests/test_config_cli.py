@@ -26,6 +26,7 @@ def test_fields_are_real_dataclass_fields_on_every_subclass():
         assert names['mtp_loss_type'].default == 'ce'
         assert names['mtp_tv_chunk'].default == 0
         assert names['mtp_log_acceptance'].default is False
+        assert names['mtp_tv_temperature'].default == 1.0 and names['mtp_lk_eta'].default == 3.0
     config = MLATransformerConfig(**BASE, mtp_num_layers=1, mtp_loss_type='e2e_tv', mtp_tv_chunk=512)
     assert (config.mtp_loss_type, config.mtp_tv_chunk) == ('e2e_tv', 512)
     # Megatron's own fields and defaults are untouched.
@@ -44,7 +45,16 @@ def test_install_is_idempotent():
 @pytest.mark.parametrize(
     'kwargs,message',
     [
-        (dict(mtp_num_layers=1, mtp_loss_type='kl'), "mtp_loss_type='kl' is not supported; choose one of ['ce', 'tv', 'e2e_tv']"),
+        (dict(mtp_num_layers=1, mtp_loss_type='nla'),
+         "mtp_loss_type='nla' is not supported; choose one of ['ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk']"),
+        (dict(mtp_num_layers=1, mtp_tv_temperature=0.0), 'mtp_tv_temperature=0.0 is invalid; it must be a finite number > 0'),
+        (dict(mtp_num_layers=1, mtp_tv_temperature=-0.7), 'mtp_tv_temperature=-0.7 is invalid'),
+        (dict(mtp_num_layers=1, mtp_tv_temperature=float('nan')), 'mtp_tv_temperature=nan is invalid'),
+        (dict(mtp_num_layers=1, mtp_tv_temperature=float('inf')), 'mtp_tv_temperature=inf is invalid'),
+        (dict(mtp_num_layers=1, mtp_tv_temperature=True), 'mtp_tv_temperature=True is invalid'),
+        (dict(mtp_num_layers=1, mtp_lk_eta=-1.0), 'mtp_lk_eta=-1.0 is invalid; it must be a finite number >= 0'),
+        (dict(mtp_num_layers=1, mtp_lk_eta=float('nan')), 'mtp_lk_eta=nan is invalid'),
+        (dict(mtp_loss_type='kl'), "mtp_loss_type='kl' trains MTP heads, but mtp_num_layers=None"),
         (dict(mtp_num_layers=1, mtp_tv_chunk=-1), 'mtp_tv_chunk=-1 is invalid'),
         (dict(mtp_num_layers=1, mtp_tv_chunk=2.5), 'mtp_tv_chunk=2.5 is invalid'),
         (dict(mtp_loss_type='tv'), "mtp_loss_type='tv' trains MTP heads, but mtp_num_layers=None"),
@@ -72,10 +82,14 @@ def test_flags_come_from_megatrons_argument_factory_with_help():
     docs = field_docstrings(megatron.mtp_tv.MTPLossConfig)
     loss_type = actions['mtp_loss_type']
     assert loss_type.option_strings == ['--mtp-loss-type']
-    assert tuple(loss_type.choices) == ('ce', 'tv', 'e2e_tv') and loss_type.default == 'ce'
+    assert tuple(loss_type.choices) == ('ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk')
+    assert loss_type.default == 'ce'
     assert actions['mtp_tv_chunk'].option_strings == ['--mtp-tv-chunk'] and actions['mtp_tv_chunk'].type is int
     assert actions['mtp_log_acceptance'].option_strings == ['--mtp-log-acceptance']
-    for name in ('mtp_loss_type', 'mtp_tv_chunk', 'mtp_log_acceptance'):
+    for name in ('mtp_tv_temperature', 'mtp_lk_eta'):
+        assert actions[name].option_strings == ['--' + name.replace('_', '-')]
+        assert actions[name].type is float
+    for name in ('mtp_loss_type', 'mtp_tv_chunk', 'mtp_tv_temperature', 'mtp_lk_eta', 'mtp_log_acceptance'):
         assert actions[name].help == ' '.join(docs[name].split()) and len(docs[name]) > 40
 
 
@@ -86,19 +100,33 @@ def test_parse_args_round_trip_into_transformer_config(monkeypatch):
     monkeypatch.setattr(sys, 'argv', [
         'pretrain_gpt.py', '--num-layers', '2', '--hidden-size', '8', '--num-attention-heads', '2',
         '--no-rope-fusion', '--mtp-num-layers', '2', '--mtp-loss-type', 'e2e_tv',
-        '--mtp-tv-chunk', '64', '--mtp-log-acceptance',
+        '--mtp-tv-chunk', '64', '--mtp-log-acceptance', '--mtp-tv-temperature', '0.7',
+        '--mtp-lk-eta', '2.5',
     ])
     args = parse_args()
-    assert (args.mtp_loss_type, args.mtp_tv_chunk, args.mtp_log_acceptance) == ('e2e_tv', 64, True)
+    fields = ('mtp_loss_type', 'mtp_tv_chunk', 'mtp_log_acceptance', 'mtp_tv_temperature', 'mtp_lk_eta')
+    expected = ('e2e_tv', 64, True, 0.7, 2.5)
+    assert tuple(getattr(args, f) for f in fields) == expected
     args.params_dtype = torch.float32
     config = core_transformer_config_from_args(args)
-    assert (config.mtp_loss_type, config.mtp_tv_chunk, config.mtp_log_acceptance) == ('e2e_tv', 64, True)
+    assert tuple(getattr(config, f) for f in fields) == expected
+
+
+@pytest.mark.parametrize('loss_type', ['kl', 'lk', 'cross_entropy'])
+def test_cli_accepts_the_new_loss_types(monkeypatch, loss_type):
+    from megatron.training.arguments import parse_args
+
+    monkeypatch.setattr(sys, 'argv', [
+        'pretrain_gpt.py', '--num-layers', '2', '--hidden-size', '8', '--num-attention-heads', '2',
+        '--mtp-num-layers', '1', '--mtp-loss-type', loss_type,
+    ])
+    assert parse_args().mtp_loss_type == loss_type
 
 
 def test_cli_rejects_unknown_loss_type(monkeypatch, capsys):
     from megatron.training.arguments import parse_args
 
-    monkeypatch.setattr(sys, 'argv', ['x', '--mtp-loss-type', 'kl'])
+    monkeypatch.setattr(sys, 'argv', ['x', '--mtp-loss-type', 'nla'])
     with pytest.raises(SystemExit):
         parse_args()
-    assert "invalid choice: 'kl'" in capsys.readouterr().err
+    assert "invalid choice: 'nla'" in capsys.readouterr().err

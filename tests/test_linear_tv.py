@@ -101,7 +101,7 @@ def test_tie_convention_passes_no_gradient_through_tied_entries():
     p = torch.tensor([[0.5, 0.25, 0.25]])
     q = torch.tensor([[0.25, 0.25, 0.5]])
     ops = TorchRowOps()
-    overlap, dot = ops.overlap(p, q)
+    overlap, dot, _ = ops.pair_sums(p, q, dot=True)
     assert overlap.item() == 0.75 and dot.item() == 0.25
     grad = ops.grad_(p, q.clone(), dot, torch.ones(1))
     # q * (dot - 1[q < p]); torch.minimum's 1/2 convention would give [-0.15625, -0.03125, 0.1875].
@@ -165,7 +165,7 @@ def test_bad_shapes_raise():
     draft, target, weight, masks = _inputs(2)
     with pytest.raises(ValueError, match='token_weights'):
         linear_tv_loss(draft, target, weight, masks[0], loss_type='tv')
-    with pytest.raises(ValueError, match="loss_type='kl'"):
-        linear_tv_loss(draft, target, weight, masks, loss_type='kl')
+    with pytest.raises(ValueError, match="loss_type='ce'"):
+        linear_tv_loss(draft, target, weight, masks, loss_type='ce')
     with pytest.raises(ValueError, match='target_hidden'):
         linear_tv_loss(draft, target[:-1], weight, masks, loss_type='tv')

@@ -37,7 +37,7 @@ def _expected_metrics(depth):
     tokens, labels, mask = _batch()
     with recorded_mtp_hidden() as record:
         forward_loss(model, tokens, labels, mask)
-    _, alpha, masks = mtp_reference_objective(
+    _, alpha, masks, _ = mtp_reference_objective(
         record['hidden'], depth, model.shared_embedding_or_output_weight(), mask, 'tv', FACTOR
     )
     alpha = alpha.detach()

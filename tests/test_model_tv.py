@@ -54,10 +54,15 @@ def _run_package(depth, loss_type, chunk, tie, zero_mask=False, factor=FACTOR, *
     return main.detach(), _grads(model), logged
 
 
+#: Settings of the package's loss, read by the reference from the same overrides.
+_LOSS_SETTINGS = ('mtp_tv_temperature', 'mtp_lk_eta')
+
+
 def _run_reference(depth, loss_type, tie, zero_mask=False, **overrides):
+    model_overrides = {k: v for k, v in overrides.items() if k not in _LOSS_SETTINGS}
     model = build_gpt_with_mtp(
         vocab_size=VOCAB, hidden_size=HIDDEN, seq_length=SEQ, mtp_num_layers=depth,
-        tie_embeddings=tie, mtp_loss_scaling_factor=FACTOR, **overrides,
+        tie_embeddings=tie, mtp_loss_scaling_factor=FACTOR, **model_overrides,
     )
     tokens, labels, mask = _batch(zero_mask=zero_mask)
     with recorded_mtp_hidden() as record:
@@ -67,12 +72,12 @@ def _run_reference(depth, loss_type, tie, zero_mask=False, **overrides):
     if overrides.get('mtp_detach_heads'):
         weight = weight.detach()
     per_token = mask.sum() if overrides.get('calculate_per_token_loss') else 1.0
-    mtp, alpha, masks = mtp_reference_objective(
-        record['hidden'], depth, weight, mask, loss_type, FACTOR, per_token_scale=per_token
+    mtp, _, _, logged = mtp_reference_objective(
+        record['hidden'], depth, weight, mask, loss_type, FACTOR, per_token_scale=per_token,
+        temperature=overrides.get('mtp_tv_temperature', 1.0), eta=overrides.get('mtp_lk_eta', 3.0),
     )
     (main + mtp).backward()
-    tv_per_depth = ((masks * (1 - alpha.detach())).sum((1, 2)) / masks.sum((1, 2)).clamp(min=1)).float()
-    return main.detach(), _grads(model), tv_per_depth
+    return main.detach(), _grads(model), logged
 
 
 def _assert_same_grads(got, ref, atol=1e-6):
@@ -96,7 +101,31 @@ def test_loss_and_every_gradient_match_reference(loss_type, depth, chunk):
     _assert_same_grads(grads, ref_grads)
 
 
-@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv'])
+@pytest.mark.parametrize(
+    'loss_type,overrides',
+    [
+        ('kl', {}),
+        ('lk', {}),
+        ('lk', {'mtp_lk_eta': 0.0}),  # lambda = 1: the KL loss
+        ('lk', {'mtp_lk_eta': 40.0}),  # lambda ~ 0 where alpha is not small: close to TV
+        ('lk', {'mtp_lk_eta': 1.5, 'mtp_tv_temperature': 0.6}),
+        ('tv', {'mtp_tv_temperature': 0.7}),
+        ('e2e_tv', {'mtp_tv_temperature': 1.8}),
+        ('kl', {'mtp_tv_temperature': 0.5}),
+    ],
+)
+@pytest.mark.parametrize('chunk', [1, 7])  # one position per chunk, a non-divisor
+def test_kl_lk_and_temperature_match_reference(loss_type, overrides, chunk):
+    with single_process():
+        main, grads, logged = _run_package(2, loss_type, chunk, tie=True, **overrides)
+    with single_process():
+        ref_main, ref_grads, ref_logged = _run_reference(2, loss_type, tie=True, **overrides)
+    torch.testing.assert_close(main, ref_main)
+    torch.testing.assert_close(logged, ref_logged, rtol=1e-5, atol=1e-6)  # mtp_{k} loss
+    _assert_same_grads(grads, ref_grads)
+
+
+@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv', 'kl', 'lk'])
 @pytest.mark.parametrize(
     'tie,overrides',
     [

@@ -38,14 +38,14 @@ def test_kernels_match_torch_row_ops_over_several_vocab_tiles():
         zq = torch.randn(n, V) * 3
         dot_coef = torch.rand(n)
         def normalised(ops, z):
-            probs, row_max = ops.normalise_(z, None)
-            return probs, row_max
+            probs, stats = ops.normalise_(z, None)
+            return probs, stats.max
 
         def passes(ops, offset):
             t, _ = normalised(ops, zt.clone())
             d, m = normalised(ops, zq.clone())
             p = ops.rows(t, offset, offset + n)
-            ov, dot = ops.overlap(p, d)
+            ov, dot, _ = ops.pair_sums(p, d, dot=True)
             return m, ov, dot, ops.grad_(p, d, dot, dot_coef)
 
         for offset in (0, 2):

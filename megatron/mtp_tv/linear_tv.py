@@ -1,56 +1,74 @@
-"""Chunked linear + total-variation loss for MTP draft heads: the loss math of this package.
+"""Chunked linear + draft loss for MTP heads: the sweep that every loss of this package runs in.
 
 For draft hidden states ``x_k`` (MTP depth k), the detached main-model hidden states ``y`` and the
 output weight ``W`` (possibly vocab-sharded over tensor parallelism), with
-``q_k = softmax(f(x_k W^T))`` and ``p = softmax(f(y W^T))`` (``f``: optional logit scaling):
+``q_k = softmax(f(x_k W^T) / T)`` and ``p = softmax(f(y W^T) / T)`` (``f``: optional logit
+scaling, ``T``: the temperature drafts are verified at):
 
 * ``alpha_k[t] = sum_v min(p[t + k + 1], q_k[t])`` is the probability that rejection sampling
   accepts the token drafted at depth k (``1 - alpha`` is the total variation distance);
-* ``'tv'`` minimises ``sum_{k,t} w_k[t] * (1 - alpha_k[t])`` (Bebop Eq. 10, one term per depth);
-* ``'e2e_tv'`` minimises ``sum_t w[t] * (1 - (1/G) sum_j prod_{i<=j} alpha_i[t])`` (Bebop Eq. 13),
-  ``G`` the number of depths; ``sum_j prod_{i<=j} alpha_i`` is the expected number of accepted
-  draft tokens per verify step.
+* the objective is one of :mod:`.losses` (``'tv'``, ``'e2e_tv'``, ``'kl'``, ``'lk'``), a
+  weighted sum over tokens of a per-row function of ``alpha`` and ``KL(p || q_k)``.
 
 The weights ``w`` carry the loss mask and the whole normalisation (``scale / num_tokens``), so the
 loss is a scalar and its gradient is fully known during the forward pass.
 
-Memory: tokens are processed in chunks of ``chunk_size``. Inside a chunk the target rows
-``t+1 .. t+chunk+G-1`` are projected once and shared by all depths, every depth's draft logits
-are projected, and (fused mode, the default) the analytic logit gradient
-``dL/dz = -coef * q * (1[q < p] - sum_u q_u 1[q_u < p_u])`` is turned into the hidden-state
-gradient and the weight gradient before the chunk's logits are freed. Live per chunk:
-``(chunk + G - 1) + G * chunk`` rows of ``V/tp`` fp32 (the depths of a chunk are coupled by the
-end-to-end objective and share the collectives). Nothing of size V outlives a chunk; what is kept
-for backward is the hidden-state gradient ``[G, s, b, h]`` and the weight gradient ``[V/tp, h]``
-(fp32), and backward is a scalar multiply. The recompute mode keeps only the inputs and runs the
-same sweep again in backward (the projections twice), for debugging.
+Memory: tokens are processed in chunks (:func:`auto_chunk_tokens` by default). Inside a chunk the
+target rows ``t+1 .. t+chunk+G-1`` are projected once and shared by all depths, every depth's
+draft logits are projected, and (fused mode, the default) the analytic logit gradient
+``tv_coef * q * (dot - 1[q < p]) + kl_coef * (q - p)`` is turned into the hidden-state gradient and
+the weight gradient before the chunk's logits are freed. Live per chunk: ``(chunk + G - 1) +
+G * chunk`` rows of ``V/tp`` fp32 (the depths of a chunk are coupled by the end-to-end objective
+and share the collectives). Nothing of size V outlives a chunk; what is kept for backward is the
+hidden-state gradient ``[G, s, b, h]`` and the weight gradient ``[V/tp, h]`` (both fp32), and
+backward is a scalar multiply. The recompute mode keeps only the inputs and runs the same sweep
+again in backward (the projections twice), for debugging. Without gradients (``torch.no_grad``,
+or inputs that do not require them: evaluation, metrics-only passes) the sweep forms no gradient
+at all: one projection per chunk.
+
+Precision: every product accumulates in fp32 and returns fp32. The logits are fp32; the logit
+gradient is formed in fp32 and, for bf16/fp16 weights, rounded to the weight's dtype for the two
+gradient products after scaling by a power of two chosen from the largest row weight (every loss
+bounds ``|dL/dz|`` by its row weight / T), so that fp16 does not flush the tiny per-token
+gradients (``scale / num_tokens`` is folded in here, while Megatron's loss scale only arrives in
+backward) to zero; the stored gradients are fp32 and unscaled in backward. On CUDA the
+low-precision products run as ``torch.mm(..., out_dtype=torch.float32)``; on CPU, which has no
+such kernel, their (already rounded) operands are upcast, which computes the same products.
 
 Ties ``q_v == p_v`` count as ``min = p`` (the detached side): the indicator ``1[q < p]`` is strict,
-so such a vocabulary entry passes no gradient (torch.minimum's autograd would pass 1/2).
+so such a vocabulary entry passes no TV gradient (torch.minimum's autograd would pass 1/2).
 
 Tensor parallelism: the vocabulary is sharded. Collectives per chunk, whatever the number of
-depths: forward one all-gather (each shard's row max and log-sum-exp of the target rows and of
-every depth's rows, combined locally, see :func:`combine_logsumexp`) and one SUM all-reduce
-(overlap, the gradient's dot product and the greedy hit count of every depth); backward none. The
-hidden-state gradient returned for ``draft_hidden`` is this rank's partial sum over its
-vocabulary shard, exactly like the input gradient of a column-parallel linear layer before its
-backward all-reduce: the caller feeds ``draft_hidden`` through the usual copy-to-TP (or
-sequence-parallel all-gather) mapping, whose backward reduces it once per micro-batch. Every TP
-rank walks the same chunks (they depend only on shapes and segments), so no rank skips a
-collective another rank is waiting in, even when a chunk holds no valid token.
+depths and the loss: forward one all-gather (each shard's row max, log-sum-exp and argmax of the
+target rows and of every depth's rows, combined locally, see :func:`.combine_row_stats`) and one
+SUM all-reduce (every depth's overlap, and as the loss needs them the gradient's dot product,
+KL and the label hit count); backward none. The hidden-state gradient returned for
+``draft_hidden`` is this rank's partial sum over its vocabulary shard, exactly like the input
+gradient of a column-parallel linear layer before its backward all-reduce: the caller feeds
+``draft_hidden`` through the usual copy-to-TP (or sequence-parallel all-gather) mapping, whose
+backward reduces it once per micro-batch. Every TP rank walks the same chunks (they depend only on
+shapes and segments), so no rank skips a collective another rank is waiting in, even when a
+chunk holds no valid token.
 
 No Megatron imports here.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Literal, NamedTuple, Optional, Sequence
 
 import torch
 
+from .losses import DraftLoss, make_loss
 from .row_ops import Scratch, select_row_ops
 from .vocab_parallel import ProcessGroup, all_reduce_sum_, group_size, vocab_range
 
-TVLossType = Literal['tv', 'e2e_tv']
+TVLossType = Literal['tv', 'e2e_tv', 'kl', 'lk']
+
+#: Low-precision logit gradients are scaled so that their bound is this power of two: well
+#: inside fp16's range (65504) with 16x headroom for a logit function's derivative (Megatron's
+#: MuP output scaling is below 1), and far above fp16's smallest normal (6e-5).
+_GRAD_BOUND = 2.0**12
 
 
 @dataclass(frozen=True)
@@ -77,6 +95,26 @@ class TVLossResult(NamedTuple):
     """``[G, s, b]`` fp32, detached: the acceptance probability of every depth and position."""
     greedy_correct: Optional[torch.Tensor]
     """``[G, s, b]`` bool, detached: whether the draft argmax equals the label (if labels given)."""
+    per_depth: Optional[torch.Tensor] = None
+    """``[G, s, b]`` fp32, detached: each depth's unweighted per-token objective."""
+    greedy_agreement: Optional[torch.Tensor] = None
+    """``[G, s, b]`` bool, detached: whether the draft argmax equals the target's argmax (the
+    greedy verifier's acceptance; if ``metrics``)."""
+
+
+def auto_chunk_tokens(num_tokens: int, depths: int, hidden: int) -> int:
+    """The chunk :func:`linear_tv_loss` uses for ``chunk_size=0``, in tokens.
+
+    Live fp32 logits of a chunk are ``(depths + 1) * chunk`` rows of ``V/tp``. The rule keeps them
+    at most the ``[V/tp, hidden]`` fp32 weight gradient the fused path holds anyway
+    (``chunk <= hidden / (depths + 1)``) and at most half of the ``depths * num_tokens`` rows
+    of softmax that Megatron's cross-entropy path saves for the same tokens
+    (``chunk <= depths * num_tokens / (2 (depths + 1))``), so the loss never peaks above that path
+    at any sequence length. ``V/tp`` cancels out of both bounds.
+    """
+    per_weight_grad = hidden // (depths + 1)
+    per_ce = depths * num_tokens // (2 * (depths + 1))
+    return max(1, min(per_weight_grad, per_ce))
 
 
 def linear_tv_loss(
@@ -91,18 +129,21 @@ def linear_tv_loss(
     segments: Optional[Sequence[TargetSegment]] = None,
     labels: Optional[torch.Tensor] = None,
     fused: bool = True,
+    temperature: float = 1.0,
+    lk_eta: float = 3.0,
+    metrics: bool = False,
 ) -> TVLossResult:
-    """Total-variation loss of G draft depths against a detached target, chunked over tokens.
+    """A draft loss of G MTP depths against a detached target, chunked over tokens.
 
     Args:
         draft_hidden: ``[G, s, b, h]`` hidden states of the G MTP depths (TP-replicated).
         target_hidden: ``[s, b, h]`` main-model hidden states (after the final norm); detached
             here. Row ``t + k + 1`` (within a segment) is the target of depth k at position t.
         weight: ``[V/tp, h]`` output-layer weight shard.
-        token_weights: loss weights, mask and normalisation included: ``[G, s, b]`` for
-            ``'tv'``, ``[s, b]`` (one weight per chain) for ``'e2e_tv'``.
-        loss_type: ``'tv'`` or ``'e2e_tv'``.
-        chunk_size: tokens per chunk (0: one chunk per segment). A chunk covers
+        token_weights: loss weights, mask and normalisation included: ``[G, s, b]``, or
+            ``[s, b]`` (one weight per chain) for ``'e2e_tv'``.
+        loss_type: ``'tv'``, ``'e2e_tv'``, ``'kl'`` or ``'lk'`` (see :mod:`.losses`).
+        chunk_size: tokens per chunk (0: :func:`auto_chunk_tokens`). A chunk covers
             ``max(1, chunk_size // b)`` positions.
         tp_group: group the vocabulary is sharded over (None: full vocabulary on this rank).
         logits_fn: optional elementwise function applied to the logits (e.g. MuP scaling); it may
@@ -110,12 +151,14 @@ def linear_tv_loss(
         segments: see :class:`TargetSegment`; default one segment over the whole sequence.
         labels: optional ``[G, s, b]`` token ids for greedy-accuracy counts.
         fused: compute gradients during forward (default) or recompute chunks in backward.
+        temperature: verification temperature T > 0: p and q are softmax(logits / T).
+        lk_eta: ``eta`` of ``'lk'``.
+        metrics: also compute the greedy agreement of draft and target argmax.
 
     Returns:
         :class:`TVLossResult`.
     """
-    if loss_type not in ('tv', 'e2e_tv'):
-        raise ValueError(f"loss_type={loss_type!r}; expected 'tv' or 'e2e_tv'.")
+    loss = make_loss(loss_type, lk_eta)
     if draft_hidden.dim() != 4:
         raise ValueError(f"draft_hidden must be [G, s, b, h], got shape {tuple(draft_hidden.shape)}.")
     G, s, b, h = draft_hidden.shape
@@ -126,7 +169,7 @@ def linear_tv_loss(
         )
     if weight.dim() != 2 or weight.shape[1] != h:
         raise ValueError(f"weight must be [V/tp, {h}], got shape {tuple(weight.shape)}.")
-    expected = (G, s, b) if loss_type == 'tv' else (s, b)
+    expected = (s, b) if loss.per_chain else (G, s, b)
     if tuple(token_weights.shape) != expected:
         raise ValueError(
             f"token_weights for {loss_type!r} must have shape {expected}, "
@@ -134,62 +177,77 @@ def linear_tv_loss(
         )
     if labels is not None and tuple(labels.shape) != (G, s, b):
         raise ValueError(f"labels must have shape {(G, s, b)}, got {tuple(labels.shape)}.")
-    if chunk_size < 0:
-        raise ValueError(f"chunk_size={chunk_size} must be >= 0.")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 0:
+        raise ValueError(f"chunk_size={chunk_size!r} must be an int >= 0.")
+    if not (isinstance(temperature, (int, float)) and 0 < temperature < float('inf')):
+        raise ValueError(f"temperature={temperature!r} must be a finite number > 0.")
     if segments is None:
         segments = (TargetSegment(0, s),)
+    tokens = chunk_size if chunk_size > 0 else auto_chunk_tokens(s * b, G, h)
     plan = _Plan(
-        loss_type=loss_type,
-        positions_per_chunk=max(1, chunk_size // b) if chunk_size > 0 else s,
+        loss=loss,
+        positions_per_chunk=max(1, tokens // b),
         tp_group=tp_group,
         logits_fn=logits_fn,
         segments=tuple(segments),
         labels=labels,
         fused=fused,
+        inv_temperature=1.0 / float(temperature),
+        metrics=metrics,
     )
-    loss, alpha, correct = _LinearTV.apply(
-        draft_hidden, weight, target_hidden.detach(), token_weights.detach().float(), plan
+    target_hidden, token_weights = target_hidden.detach(), token_weights.detach().float()
+    if torch.is_grad_enabled() and (draft_hidden.requires_grad or weight.requires_grad):
+        loss_value, alpha, correct, per_depth, agreement = _LinearTV.apply(
+            draft_hidden, weight, target_hidden, token_weights, plan
+        )
+    else:  # evaluation or metrics only: no gradient work at all
+        out = _sweep(draft_hidden, weight, target_hidden, token_weights, plan, False, False)
+        loss_value, alpha, correct, per_depth, agreement = out[:5]
+    return TVLossResult(
+        loss_value, alpha, correct if labels is not None else None, per_depth,
+        agreement if metrics else None,
     )
-    return TVLossResult(loss, alpha, correct if labels is not None else None)
 
 
 @dataclass(frozen=True)
 class _Plan:
-    loss_type: str
+    loss: DraftLoss
     positions_per_chunk: int
     tp_group: ProcessGroup
     logits_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]
     segments: tuple
     labels: Optional[torch.Tensor]
     fused: bool
+    inv_temperature: float
+    metrics: bool
 
 
 class _LinearTV(torch.autograd.Function):
-    """Scalar TV objective; gradients computed in forward (fused) or by a second sweep."""
+    """Scalar draft objective; gradients computed in forward (fused) or by a second sweep."""
 
     @staticmethod
     def forward(ctx, draft_hidden, weight, target_hidden, token_weights, plan: _Plan):
         need_draft_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        sweep_grads = plan.fused and (need_draft_grad or need_weight_grad)
         out = _sweep(
             draft_hidden, weight, target_hidden, token_weights, plan,
-            draft_grad=sweep_grads and need_draft_grad,
-            weight_grad=sweep_grads and need_weight_grad,
+            draft_grad=plan.fused and need_draft_grad,
+            weight_grad=plan.fused and need_weight_grad,
         )
         ctx.plan = plan
         ctx.need = (need_draft_grad, need_weight_grad)
         if plan.fused:
-            ctx.save_for_backward(*(g for g in (out.grad_draft, out.grad_weight) if g is not None))
+            grads = (g for g in (out.grad_draft, out.grad_weight) if g is not None)
+            ctx.save_for_backward(out.grad_scale, *grads)
         else:
             ctx.save_for_backward(draft_hidden, weight, target_hidden, token_weights)
-        ctx.mark_non_differentiable(out.alpha, out.correct)
-        return out.loss, out.alpha, out.correct
+        ctx.mark_non_differentiable(out.alpha, out.correct, out.per_depth, out.agreement)
+        return out.loss, out.alpha, out.correct, out.per_depth, out.agreement
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_alpha, _grad_correct):
+    def backward(ctx, grad_loss, *_grad_metrics):
         need_draft_grad, need_weight_grad = ctx.need
         if ctx.plan.fused:
-            saved = list(ctx.saved_tensors)
+            grad_scale, *saved = ctx.saved_tensors
             grad_draft = saved.pop(0) if need_draft_grad else None
             grad_weight = saved.pop(0) if need_weight_grad else None
         else:
@@ -198,15 +256,17 @@ class _LinearTV(torch.autograd.Function):
                 draft_hidden, weight, target_hidden, token_weights, ctx.plan,
                 draft_grad=need_draft_grad, weight_grad=need_weight_grad,
             )
-            grad_draft, grad_weight = out.grad_draft, out.grad_weight
-        # The objective is linear in its upstream gradient: a scalar rescales everything. In
-        # place: a new [V/tp, h] tensor would cost a full extra pass. The fused buffers therefore
-        # serve one backward; a second one (retain_graph) fails autograd's saved-tensor version
-        # check instead of returning gradients scaled twice.
+            grad_draft, grad_weight, grad_scale = out.grad_draft, out.grad_weight, out.grad_scale
+        # The objective is linear in its upstream gradient: one scalar (which also undoes the
+        # low-precision scaling) rescales everything. In place: a new [V/tp, h] tensor would cost
+        # a full extra pass. The fused buffers therefore serve one backward; a second one
+        # (retain_graph) fails autograd's saved-tensor version check instead of returning
+        # gradients scaled twice. Autograd casts the fp32 results to the inputs' dtypes.
+        factor = grad_loss.float() / grad_scale
         if grad_draft is not None:
-            grad_draft.mul_(grad_loss)
+            grad_draft.mul_(factor)
         if grad_weight is not None:
-            grad_weight.mul_(grad_loss)
+            grad_weight.mul_(factor)
         return grad_draft, grad_weight, None, None, None
 
 
@@ -214,27 +274,41 @@ class _SweepOutput(NamedTuple):
     loss: torch.Tensor
     alpha: torch.Tensor
     correct: torch.Tensor
+    per_depth: torch.Tensor
+    agreement: torch.Tensor
     grad_draft: Optional[torch.Tensor]
     grad_weight: Optional[torch.Tensor]
+    grad_scale: torch.Tensor
+    """Factor the stored gradients carry (a power of two for low-precision weights, else 1)."""
 
 
 def _sweep(draft_hidden, weight, target_hidden, token_weights, plan: _Plan, draft_grad, weight_grad):
-    """One pass over all chunks: loss and alpha, plus gradients when asked for."""
+    """One pass over all chunks: loss and per-row results, plus gradients when asked for."""
     G, s, b, h = draft_hidden.shape
     device = draft_hidden.device
+    loss_fn = plan.loss
     alpha = torch.zeros(G, s, b, dtype=torch.float32, device=device)
+    per_depth = torch.zeros(G, s, b, dtype=torch.float32, device=device)
     correct = torch.zeros(G, s, b, dtype=torch.bool, device=device)
+    agreement = torch.zeros(G, s, b, dtype=torch.bool, device=device)
     loss = torch.zeros((), dtype=torch.float32, device=device)
-    grad_draft = torch.zeros_like(draft_hidden) if draft_grad else None
+    want_grad = draft_grad or weight_grad
+    products = _Products(weight)
+    # dL/dz of every row is bounded by its weight / T; the stored gradients carry grad_scale.
+    grad_scale = products.gradient_scale(token_weights, plan.inv_temperature)
+    coef_scale = grad_scale * plan.inv_temperature
+    grad_draft = torch.zeros(draft_hidden.shape, dtype=torch.float32, device=device) if draft_grad else None
     # fp32 accumulation across chunks (the weight gradient sums every token of the batch). The
     # first product overwrites it: zero-filling [V/tp, h] first would be one more full pass.
     grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=device) if weight_grad else None
     weight_grad_started = False
-    want_grad = draft_grad or weight_grad
     labels = plan.labels
     vocab_start, vocab_stop = vocab_range(weight.shape[0], plan.tp_group)
     scratch = Scratch()  # the chunk's inputs and logits, reused by every chunk
-    grad_in_overlap = want_grad and plan.loss_type == 'tv' and group_size(plan.tp_group) == 1
+    # Row-local losses on one shard know each row's coefficients as soon as its sums are done,
+    # so the gradient is formed in the same pass.
+    one_pass_grad = want_grad and loss_fn.row_local and group_size(plan.tp_group) == 1
+    want_dot = want_grad and loss_fn.tv_grad
 
     ops = None
     for seg in plan.segments:
@@ -250,9 +324,11 @@ def _sweep(draft_hidden, weight, target_hidden, token_weights, plan: _Plan, draf
                 [target_rows] + [draft_hidden[k, rows].reshape(n, h) for k in range(G)],
                 out=scratch.take('inputs', (n_t + G * n, h), weight.dtype, device),
             )
-            raw = _project(inputs, weight, scratch.take('logits', (inputs.shape[0], weight.shape[0]), torch.float32, device))
+            raw = products.logits(inputs, scratch.take('logits', (inputs.shape[0], weight.shape[0]), torch.float32, device))
             # Row ops overwrite their input; with a logits function, raw stays intact for its chain rule.
             z = plan.logits_fn(raw).float() if plan.logits_fn is not None else raw
+            if plan.inv_temperature != 1.0:
+                z = z.mul_(plan.inv_temperature)
             if ops is None:
                 ops, _ = select_row_ops(z)
             draft_rows = [slice(n_t + k * n, n_t + (k + 1) * n) for k in range(G)]
@@ -260,76 +336,152 @@ def _sweep(draft_hidden, weight, target_hidden, token_weights, plan: _Plan, draf
                 chunk_labels = labels[:, rows].reshape(G, n)
                 hits = [_label_logit(z[draft_rows[k]], chunk_labels[k], vocab_start, vocab_stop) for k in range(G)]
 
-            # Collective 1: the normalisers of the target rows and of every depth's rows.
-            probs, global_max = ops.normalise_(z, plan.tp_group)
+            # Collective 1: the normalisers (and argmax) of the target rows and every depth's rows.
+            probs, stats = ops.normalise_(z, plan.tp_group, vocab_start if plan.metrics else None)
             # Depth k at position t compares with target row t+k+1: target rows k*b .. k*b+n.
-            pairs = [(ops.rows(probs, k * b, k * b + n), ops.rows(probs, r.start, r.stop)) for k, r in enumerate(draft_rows)]
+            target_of = [slice(k * b, k * b + n) for k in range(G)]
+            pairs = [(ops.rows(probs, t.start, t.stop), ops.rows(probs, r.start, r.stop)) for t, r in zip(target_of, draft_rows)]
+            w = token_weights[rows].reshape(n) if loss_fn.per_chain else token_weights[:, rows].reshape(G, n)
 
-            # Collective 2: overlap, the gradient's dot product and greedy hits of every depth.
-            # Per-depth 'tv' on one shard knows each row's gradient coefficient (its weight) and
-            # full dot product here, so the gradient is formed in the same pass.
-            early_coef = token_weights[:, rows].reshape(G, n) if grad_in_overlap else None
+            # Collective 2: every depth's overlap and, as needed, dot product, KL and label hits.
             sums = []
             for k, (p, q) in enumerate(pairs):
-                overlap, dot = ops.overlap(p, q, early_coef[k] if grad_in_overlap else None)
-                if labels is not None:
-                    chunk_hits = (hits[k] >= global_max[draft_rows[k]]).float()
-                else:
-                    chunk_hits = torch.zeros_like(overlap)
-                sums.append(torch.stack([overlap, dot, chunk_hits]))
-            chunk_alpha, dots, chunk_hits = all_reduce_sum_(torch.stack(sums, dim=1), plan.tp_group)
+                coefficients = None
+                if one_pass_grad:
+                    def coefficients(block, overlap, w_k=w[k]):
+                        return _scaled(loss_fn.row_coefficients(overlap, w_k[block]), coef_scale)
+                sums.append(ops.pair_sums(p, q, dot=want_dot, kl=loss_fn.needs_kl, coefficients=coefficients))
+            columns = [torch.stack([x.overlap for x in sums])]
+            if want_dot:
+                columns.append(torch.stack([x.dot for x in sums]))
+            if loss_fn.needs_kl:
+                columns.append(torch.stack([x.kl for x in sums]))
+            if labels is not None:
+                columns.append(torch.stack([(hits[k] >= stats.max[r]).float() for k, r in enumerate(draft_rows)]))
+            reduced = all_reduce_sum_(torch.stack(columns), plan.tp_group)  # [c, G, n]
+            chunk_alpha, rest = reduced[0], list(reduced[1:])
+            dots = rest.pop(0) if want_dot else None
+            chunk_kl = rest.pop(0) if loss_fn.needs_kl else None
             alpha[:, rows] = chunk_alpha.view(G, stop - start, b)
             if labels is not None:
-                correct[:, rows] = (chunk_hits > 0).view(G, stop - start, b)
+                correct[:, rows] = (rest.pop(0) > 0).view(G, stop - start, b)
+            if plan.metrics:
+                agree = torch.stack([stats.argmax[t] == stats.argmax[r] for t, r in zip(target_of, draft_rows)])
+                agreement[:, rows] = agree.view(G, stop - start, b)
 
-            coef, chunk_loss = _objective(chunk_alpha, token_weights, rows, plan.loss_type, b)
-            loss += chunk_loss
+            terms = loss_fn.terms(chunk_alpha, chunk_kl, w)
+            loss += terms.loss
+            per_depth[:, rows] = terms.per_depth.view(G, stop - start, b)
             if not want_grad:
                 continue
             for k, (p, q) in enumerate(pairs):
-                g = ops.written_grad(q) if grad_in_overlap else ops.grad_(p, q, dots[k], coef[k])
+                if one_pass_grad:
+                    g = ops.written_grad(q)
+                else:
+                    tv_coef, kl_coef = _scaled(
+                        (terms.tv_coef[k] if terms.tv_coef is not None else None,
+                         terms.kl_coef[k] if terms.kl_coef is not None else None),
+                        coef_scale,
+                    )
+                    g = ops.grad_(p, q, dots[k] if dots is not None else None, tv_coef, kl_coef)
                 if plan.logits_fn is not None:  # chain rule through the logit scaling function
                     with torch.enable_grad():
                         leaf = raw[draft_rows[k]].detach().requires_grad_()
                         (g,) = torch.autograd.grad(plan.logits_fn(leaf).float(), leaf, g)
-                g = g.to(weight.dtype)  # bf16 weights: bf16 products, fp32 accumulation
+                g = g.to(weight.dtype)  # bf16/fp16 weights: low-precision operands, fp32 sums
                 if grad_draft is not None:
-                    _matmul_into(grad_draft[k, rows].view(n, h), g, weight)
+                    products.input_grad(g, grad_draft[k, rows].view(n, h))
                 if grad_weight is not None:
-                    _accumulate_weight_grad(grad_weight, g, inputs[draft_rows[k]], weight_grad_started)
+                    products.weight_grad(grad_weight, g, inputs[draft_rows[k]], weight_grad_started)
                     weight_grad_started = True
     if grad_weight is not None and not weight_grad_started:
         grad_weight.zero_()
-    return _SweepOutput(loss, alpha, correct, grad_draft, grad_weight)
+    return _SweepOutput(loss, alpha, correct, per_depth, agreement, grad_draft, grad_weight, grad_scale)
 
 
-def _objective(alpha: torch.Tensor, token_weights, rows: slice, loss_type: str, b: int):
-    """Loss of one chunk and ``coef = -dL/dalpha`` per depth and row.
-
-    Args:
-        alpha: ``[G, n]`` acceptance probabilities of the chunk's rows.
-    """
-    G = alpha.shape[0]
-    if loss_type == 'tv':
-        w = token_weights[:, rows].reshape(G, -1)
-        return w, (w * (1.0 - alpha)).sum()
-    w = token_weights[rows].reshape(-1)
-    # prefix[i] = prod_{k<i} alpha_k ; suffix[i] = 1 + sum_{j>i} prod_{i<k<=j} alpha_k.
-    # dL/dalpha_i = -(w/G) * prefix[i] * suffix[i]: no division by alpha, so alpha = 0 is safe.
-    ones = torch.ones_like(alpha[:1])
-    prefix = torch.cat([ones, alpha[:-1]]).cumprod(0)
-    suffix = [torch.ones_like(alpha[0])]
-    for i in range(G - 1, 0, -1):
-        suffix.append(1.0 + alpha[i] * suffix[-1])
-    suffix = torch.stack(suffix[::-1])
-    accepted = (prefix * alpha).sum(0)  # sum_j prod_{i<=j} alpha_i
-    coef = (w / G) * prefix * suffix
-    return coef, (w * (1.0 - accepted / G)).sum()
+def _scaled(coefficients, factor):
+    """``(tv_coef, kl_coef)`` times ``factor`` (None stays None)."""
+    return tuple(c * factor if c is not None else None for c in coefficients)
 
 
 def expected_accepted(alpha: torch.Tensor) -> torch.Tensor:
     """``sum_j prod_{i<=j} alpha_i`` over the leading (depth) dimension of ``alpha``."""
     return alpha.cumprod(0).sum(0)
+
+
+class _Products:
+    """The sweep's matrix products with fp32 accumulation and fp32 results for any weight dtype.
+
+    fp32 weights use plain (in-place, ``out=``) fp32 GEMMs. bf16/fp16 weights keep their
+    low-precision operands: on CUDA through ``out_dtype=torch.float32`` GEMMs (tensor cores
+    accumulate in fp32); on CPU, which has no such kernel, by upcasting the operands, which gives
+    the same products (the product of two bf16/fp16 numbers is exact in fp32). The CPU copy of the
+    weight in fp32 is made once per sweep.
+    """
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.low_precision = weight.dtype != torch.float32
+        self._weight32 = None
+
+    def gradient_scale(self, token_weights: torch.Tensor, inv_temperature: float) -> torch.Tensor:
+        """Power of two that brings the logit gradient's bound ``max(w) / T`` to ``_GRAD_BOUND``
+        (1 for fp32 weights, where no rounding happens). A device scalar: no host sync."""
+        one = torch.ones((), dtype=torch.float32, device=token_weights.device)
+        if not self.low_precision or token_weights.numel() == 0:
+            return one
+        bound = token_weights.abs().amax() * inv_temperature
+        exponent = (math.log2(_GRAD_BOUND) - torch.ceil(torch.log2(bound))).clamp(-100, 100)
+        return torch.where(bound > 0, torch.exp2(exponent), one)
+
+    def logits(self, inputs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out = inputs @ W^T`` (``out``: ``[m, V/tp]`` fp32)."""
+        if not self.low_precision:
+            return torch.mm(inputs, self.weight.t(), out=out)
+        if inputs.is_cuda:
+            return _mm_out_fp32(inputs, self.weight.t(), out)
+        return torch.mm(inputs.float(), self._fp32_weight().t(), out=out)
+
+    def input_grad(self, g: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = g @ W`` (``g``: ``[n, V/tp]`` in the weight's dtype; ``out`` fp32)."""
+        if not self.low_precision:
+            torch.mm(g, self.weight, out=out)
+        elif g.is_cuda:
+            _mm_out_fp32(g, self.weight, out)
+        else:
+            torch.mm(g.float(), self._fp32_weight(), out=out)
+
+    def weight_grad(self, grad_weight: torch.Tensor, g: torch.Tensor, x: torch.Tensor, accumulate: bool) -> None:
+        """``grad_weight (+)= g^T x``: overwrite on the first chunk, accumulate in fp32 after."""
+        beta = 1.0 if accumulate else 0.0
+        if not self.low_precision:
+            grad_weight.addmm_(g.t(), x, beta=beta)
+        elif g.is_cuda:
+            _addmm_fp32_(grad_weight, g.t(), x, beta)
+        else:
+            grad_weight.addmm_(g.t().float(), x.float(), beta=beta)
+
+    def _fp32_weight(self) -> torch.Tensor:
+        if self._weight32 is None:
+            self._weight32 = self.weight.detach().float()
+        return self._weight32
+
+
+def _mm_out_fp32(a, b, out):
+    """``out = a @ b`` for low-precision CUDA operands, fp32 accumulation and result."""
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    except (TypeError, RuntimeError, NotImplementedError):  # torch without mm.dtype_out
+        return out.copy_(torch.mm(a, b, out_dtype=torch.float32))
+
+
+def _addmm_fp32_(acc, a, b, beta: float):
+    """``acc = beta * acc + a @ b`` for low-precision CUDA operands into an fp32 ``acc``."""
+    try:
+        torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
+    except (TypeError, RuntimeError, NotImplementedError):  # torch without addmm.dtype_out
+        product = torch.mm(a, b, out_dtype=torch.float32)
+        acc.add_(product) if beta else acc.copy_(product)
 
 
 def _virtual_rows(target_hidden, seg: TargetSegment, first: int, stop: int) -> torch.Tensor:
@@ -345,34 +497,9 @@ def _virtual_rows(target_hidden, seg: TargetSegment, first: int, stop: int) -> t
     return torch.cat([body, tail]) if body.shape[0] else tail
 
 
-def _project(inputs, weight, out):
-    """``out = inputs @ weight^T`` in fp32 (``out`` is ``[m, V/tp]`` fp32)."""
-    if inputs.dtype == torch.float32 and weight.dtype == torch.float32:
-        return torch.mm(inputs, weight.t(), out=out)
-    return out.copy_(inputs @ weight.t())
-
-
-def _matmul_into(out, g, weight):
-    """``out = g @ weight`` (``g``: ``[n, V/tp]`` logit gradient in the weight's dtype)."""
-    if out.dtype == g.dtype:
-        torch.mm(g, weight, out=out)
-    else:
-        out.copy_(g @ weight)
-
-
 def _label_logit(z, labels, vocab_start, vocab_stop):
     """Logit of each row's label when it lies in this rank's shard, else -inf."""
     local = labels - vocab_start
     in_shard = (labels >= vocab_start) & (labels < vocab_stop)
     picked = z.detach().gather(1, local.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
     return torch.where(in_shard, picked, torch.full_like(picked, float('-inf')))
-
-
-def _accumulate_weight_grad(grad_weight, g, x, accumulate: bool):
-    """``grad_weight (+)= g^T x``: overwrite on the first chunk, accumulate in fp32 after."""
-    if g.dtype == torch.float32:
-        grad_weight.addmm_(g.t(), x.float(), beta=1.0 if accumulate else 0.0)
-    elif accumulate:  # low-precision product, fp32 accumulation across chunks
-        grad_weight.add_(g.t() @ x)
-    else:
-        grad_weight.copy_(g.t() @ x)

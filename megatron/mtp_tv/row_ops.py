@@ -1,31 +1,63 @@
-"""The per-row vocabulary passes of the TV loss, in torch and in Triton.
+"""The per-row vocabulary passes of the draft losses, in torch and in Triton.
 
-One chunk of the sweep in :mod:`.linear_tv` holds the fp32 logits of the chunk's target rows and
-of every depth's draft rows in one ``[m, V/tp]`` buffer, and needs:
+One chunk of the sweep in :mod:`.linear_tv` holds the fp32 logits (already divided by the
+verification temperature) of the chunk's target rows and of every depth's draft rows in one
+``[m, V/tp]`` buffer, and needs:
 
-1. the normaliser of every row over the full vocabulary (``normalise_``: per-shard statistics
-   combined with one all-gather under tensor parallelism, see :func:`.combine_logsumexp`);
+1. the normaliser of every row over the full vocabulary, and optionally its argmax
+   (``normalise_``: per-shard statistics combined with one all-gather under tensor parallelism,
+   see :func:`.combine_row_stats`);
 2. for a block of draft rows ``q`` and the target rows ``p`` they are compared with (``rows``
-   slices the normalised buffer), this shard's overlap ``sum_v min(p, q)`` and dot product
-   ``sum_v q_v 1[q_v < p_v]`` (``overlap``; all-reduced by the caller);
-3. the logit gradient ``coef * q * (dot - 1[q < p])``, written over the draft rows (``grad_``,
-   or ``overlap`` itself when the shard is the whole vocabulary and ``coef`` is known up front).
+   slices the normalised buffer), this shard's per-row sums (``pair_sums``; all-reduced by the
+   caller): the overlap ``sum_v min(p, q)``, and when asked the TV gradient's dot product
+   ``sum_v q_v 1[q_v < p_v]`` and ``KL(p || q) = sum_v p_v log(p_v / q_v)``;
+3. the logit gradient ``tv_coef * q * (dot - 1[q < p]) + kl_coef * (q - p)`` written over the
+   draft rows (``grad_``; or ``pair_sums`` itself when the shard is the whole vocabulary and the
+   loss can say a row's coefficients from the row's own overlap).
 
 :class:`TorchRowOps` materialises the probabilities in place and is the CPU path and test oracle.
 :class:`TritonRowOps` runs one program per row looping over vocabulary tiles (online max and
-normaliser, then overlap and dot, then the gradient) and never materialises ``p`` or ``q``.
+normaliser, then the sums, then the gradient) and never materialises ``p`` or ``q``.
 :func:`select_row_ops` picks one and can say why the kernel is not used.
 """
 
 import os
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from .vocab_parallel import ProcessGroup, combine_logsumexp, group_size
+from .vocab_parallel import ProcessGroup, combine_row_stats, group_size
 
 #: ``auto`` (default): Triton on CUDA fp32 logits; ``0``: always torch; ``1``: require Triton.
 TRITON_ENV = 'MEGATRON_MTP_TV_TRITON'
+
+#: Smallest normal fp32: probabilities are clamped to it inside KL's logarithm, so a draft that
+#: underflows where the target has mass adds at most ``p * 87.3`` per entry instead of infinity
+#: (the KL gradient ``q - p`` does not use the logarithm and stays exact).
+_TINY = torch.finfo(torch.float32).tiny
+
+#: ``(rows, overlap of those rows) -> (tv_coef, kl_coef)`` for the one-pass gradient.
+CoefficientFn = Callable[[slice, torch.Tensor], Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]
+
+
+class RowStats(NamedTuple):
+    """Full-vocabulary statistics of every row of a chunk (after ``normalise_``)."""
+
+    max: torch.Tensor
+    """``[m]`` row max of the logits."""
+    argmax: Optional[torch.Tensor]
+    """``[m]`` int64 global vocabulary index of the max (lowest on ties), when asked for."""
+
+
+class PairSums(NamedTuple):
+    """This shard's per-row sums of draft rows against their target rows."""
+
+    overlap: torch.Tensor
+    """``[n]`` ``sum_v min(p, q)``."""
+    dot: Optional[torch.Tensor]
+    """``[n]`` ``sum_v q_v 1[q_v < p_v]``, when asked for."""
+    kl: Optional[torch.Tensor]
+    """``[n]`` ``sum_v p_v log(p_v / q_v)``, when asked for."""
 
 
 class Scratch:
@@ -68,25 +100,38 @@ class TorchRowOps:
     def __init__(self):
         self._scratch = Scratch()
 
-    def normalise_(self, z: torch.Tensor, group: ProcessGroup):
+    def normalise_(self, z: torch.Tensor, group: ProcessGroup, vocab_start: Optional[int] = None):
         """Overwrite ``z`` with its softmax over the full (possibly sharded) vocabulary.
 
-        Returns ``(probabilities [n, V/tp] (z itself), full-vocabulary row max [n])``.
+        Args:
+            z: ``[n, V/tp]`` fp32 logits.
+            group: the group the vocabulary is sharded over.
+            vocab_start: this shard's first vocabulary index; given, the argmax is computed too.
+
+        Returns:
+            ``(probabilities [n, V/tp] (z itself), RowStats)``.
         """
         single_shard = group_size(group) == 1
-        local_max, local_logsum = z.new_empty(z.shape[0]), z.new_empty(z.shape[0])
+        n = z.shape[0]
+        local_max, local_logsum = z.new_empty(n), z.new_empty(n)
+        local_argmax = torch.empty(n, dtype=torch.long, device=z.device) if vocab_start is not None else None
         for rows in self._blocks(z):
             zb, mb, sb = z[rows], local_max[rows], local_logsum[rows]
-            torch.amax(zb, dim=-1, out=mb)
+            if local_argmax is None:
+                torch.amax(zb, dim=-1, out=mb)
+            else:  # first maximal index, as torch.argmax
+                torch.max(zb, dim=-1, out=(mb, local_argmax[rows]))
             zb.sub_(mb.unsqueeze(-1)).exp_()
             torch.sum(zb, dim=-1, out=sb)
             if single_shard:  # the normaliser is complete: divide while the block is in cache
                 zb.div_(sb.unsqueeze(-1))
         local_logsum.log_()
-        lse, global_max = combine_logsumexp(local_max, local_logsum, group)
+        if local_argmax is not None:
+            local_argmax += vocab_start
+        lse, global_max, argmax = combine_row_stats(local_max, local_logsum, group, local_argmax)
         if not single_shard:
             z.mul_((local_max - lse).exp_().unsqueeze(-1))
-        return z, global_max
+        return z, RowStats(global_max, argmax)
 
     @staticmethod
     def rows(state: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -94,38 +139,73 @@ class TorchRowOps:
 
     @staticmethod
     def written_grad(q: torch.Tensor) -> torch.Tensor:
-        """The logit gradient ``overlap(..., grad_coef)`` wrote over the draft rows ``q``."""
+        """The logit gradient ``pair_sums(..., coefficients=...)`` wrote over the draft rows."""
         return q
 
-    def overlap(
-        self, p: torch.Tensor, q: torch.Tensor, grad_coef: Optional[torch.Tensor] = None
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """This shard's ``(sum_v min(p, q), sum_v q_v 1[q_v < p_v])`` per row.
+    def pair_sums(
+        self,
+        p: torch.Tensor,
+        q: torch.Tensor,
+        dot: bool = False,
+        kl: bool = False,
+        coefficients: Optional[CoefficientFn] = None,
+    ) -> PairSums:
+        """This shard's :class:`PairSums` of draft rows ``q`` against target rows ``p``.
 
-        With ``grad_coef`` (only when this shard holds the whole vocabulary, so the dot product is
-        already complete) the logit gradient is also written into ``q`` in the same pass, while
-        each block is in cache, as :meth:`grad_` would.
+        With ``coefficients`` (only when this shard holds the whole vocabulary, so a row's sums are
+        complete within the pass) the logit gradient is also written into ``q`` in the same pass,
+        while each block is in cache, as :meth:`grad_` would.
         """
-        overlap, dot = q.new_empty(q.shape[0]), q.new_empty(q.shape[0])
-        neg_coef = grad_coef.neg().unsqueeze(-1) if grad_coef is not None else None
+        n = q.shape[0]
+        overlap = q.new_empty(n)
+        dots = q.new_empty(n) if dot else None
+        kls = q.new_empty(n) if kl else None
         for rows in self._blocks(q):
             qb, pb = q[rows], p[rows]
-            below, work = self._buffer('below', qb), self._buffer('work', qb)
-            torch.lt(qb, pb, out=below)  # strict: at a tie min() is p
+            work = self._buffer('work', qb)
             torch.sum(torch.minimum(pb, qb, out=work), dim=-1, out=overlap[rows])
-            torch.sum(torch.mul(qb, below, out=work), dim=-1, out=dot[rows])
-            if neg_coef is not None:
-                qb.mul_(below.sub_(dot[rows].unsqueeze(-1)).mul_(neg_coef[rows]))
-        return overlap, dot
+            below = None
+            if dot:
+                below = torch.lt(qb, pb, out=self._buffer('below', qb))  # strict: at a tie min() is p
+                torch.sum(torch.mul(qb, below, out=work), dim=-1, out=dots[rows])
+            if kl:
+                ratio = torch.clamp(pb, min=_TINY, out=work)
+                ratio.div_(torch.clamp(qb, min=_TINY, out=self._buffer('work2', qb))).log_().mul_(pb)
+                torch.sum(ratio, dim=-1, out=kls[rows])
+            if coefficients is not None:
+                tv_coef, kl_coef = coefficients(rows, overlap[rows])
+                self._write_grad(pb, qb, below, dots[rows] if dot else None, tv_coef, kl_coef)
+        return PairSums(overlap, dots, kls)
 
-    def grad_(self, p: torch.Tensor, q: torch.Tensor, dot: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-        """``coef * q * (dot - 1[q < p])`` written into ``q``; the indicator is recomputed (one
-        compare, in cache) rather than kept per depth from :meth:`overlap`."""
-        dot, neg_coef = dot.unsqueeze(-1), coef.neg().unsqueeze(-1)
+    def grad_(
+        self,
+        p: torch.Tensor,
+        q: torch.Tensor,
+        dot: Optional[torch.Tensor],
+        tv_coef: Optional[torch.Tensor],
+        kl_coef: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """``tv_coef * q * (dot - 1[q < p]) + kl_coef * (q - p)`` written into ``q``; the
+        indicator is recomputed (one compare, in cache) rather than kept per depth."""
         for rows in self._blocks(q):
-            factor = torch.lt(q[rows], p[rows], out=self._buffer('below', q[rows]))
-            q[rows].mul_(factor.sub_(dot[rows]).mul_(neg_coef[rows]))
+            self._write_grad(
+                p[rows], q[rows], None, dot[rows] if dot is not None else None,
+                tv_coef[rows] if tv_coef is not None else None,
+                kl_coef[rows] if kl_coef is not None else None,
+            )
         return q
+
+    def _write_grad(self, pb, qb, below, dot, tv_coef, kl_coef):
+        """One block of :meth:`grad_`: ``q * (tv*dot + kl - tv*1[q < p]) - kl * p``."""
+        if tv_coef is not None:
+            if below is None:
+                below = torch.lt(qb, pb, out=self._buffer('below', qb))
+            offset = tv_coef * dot if kl_coef is None else tv_coef * dot + kl_coef
+            qb.mul_(below.mul_(tv_coef.neg().unsqueeze(-1)).add_(offset.unsqueeze(-1)))
+        else:
+            qb.mul_(kl_coef.unsqueeze(-1))
+        if kl_coef is not None:
+            qb.addcmul_(pb, kl_coef.unsqueeze(-1), value=-1.0)
 
     def _blocks(self, z: torch.Tensor):
         step = max(1, self.BLOCK_ELEMENTS // max(1, z.shape[-1]))
@@ -140,11 +220,13 @@ class TritonRowOps:
 
     name = 'triton'
 
-    def normalise_(self, z: torch.Tensor, group: ProcessGroup):
-        """Leaves the logits in place; returns ``((z, lse), full-vocabulary row max)``."""
-        local_max, local_logsum = _triton().row_stats(z)
-        lse, global_max = combine_logsumexp(local_max, local_logsum, group)
-        return (z, lse), global_max
+    def normalise_(self, z: torch.Tensor, group: ProcessGroup, vocab_start: Optional[int] = None):
+        """Leaves the logits in place; returns ``((z, lse), RowStats)``."""
+        local_max, local_logsum, local_argmax = _triton().row_stats(z, with_argmax=vocab_start is not None)
+        if local_argmax is not None:
+            local_argmax += vocab_start
+        lse, global_max, argmax = combine_row_stats(local_max, local_logsum, group, local_argmax)
+        return (z, lse), RowStats(global_max, argmax)
 
     @staticmethod
     def rows(state, start: int, stop: int):
@@ -155,14 +237,16 @@ class TritonRowOps:
     def written_grad(q):
         return q[0]
 
-    def overlap(self, p, q, grad_coef=None):
-        overlap, dot = _triton().overlap(*p, *q)
-        if grad_coef is not None:
-            self.grad_(p, q, dot, grad_coef)
-        return overlap, dot
+    def pair_sums(self, p, q, dot=False, kl=False, coefficients=None):
+        overlap, dots, kls = _triton().pair_sums(*p, *q)
+        sums = PairSums(overlap, dots if dot else None, kls if kl else None)
+        if coefficients is not None:
+            tv_coef, kl_coef = coefficients(slice(0, overlap.shape[0]), overlap)
+            self.grad_(p, q, sums.dot, tv_coef, kl_coef)
+        return sums
 
-    def grad_(self, p, q, dot, coef):
-        return _triton().grad_(*p, *q, dot, coef)
+    def grad_(self, p, q, dot, tv_coef, kl_coef=None):
+        return _triton().grad_(*p, *q, dot, tv_coef, kl_coef)
 
 
 def triton_unavailable_reason(logits: torch.Tensor) -> Optional[str]:

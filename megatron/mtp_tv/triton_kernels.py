@@ -1,8 +1,12 @@
-"""Triton kernels for the per-row passes of the TV loss (see :mod:`.row_ops`).
+"""Triton kernels for the per-row passes of the draft losses (see :mod:`.row_ops`).
 
-One program per row, looping over vocabulary tiles; fp32 throughout. Imported only when the
-Triton path is selected (CUDA, or ``TRITON_INTERPRET=1`` on CPU for tests).
+One program per row, looping over vocabulary tiles; fp32 throughout. The logits are kept as
+logits (already divided by the temperature) and probabilities are recomputed per tile from the
+row's log-normaliser, so ``KL(p || q) = sum_v p (z_p - lse_p - z_q + lse_q)`` is exact here.
+Imported only when the Triton path is selected (CUDA, or ``TRITON_INTERPRET=1`` on CPU for tests).
 """
+
+from typing import Optional
 
 import torch
 import triton
@@ -15,85 +19,107 @@ def _block(vocab: int) -> int:
 
 @triton.jit
 def _row_stats_kernel(z_ptr, stride, out_ptr, V, BLOCK: tl.constexpr):
-    # Online max and normaliser: s is kept relative to the running max m.
+    # Online max and normaliser (s is kept relative to the running max m), and the first index
+    # of the max: a later tile replaces it only with a strictly larger value.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = tl.full((), float('-inf'), tl.float32)
     s = tl.zeros((), tl.float32)
+    arg = tl.zeros((), tl.int64)
     for start in range(0, V, BLOCK):
         idx = start + offs
         z = tl.load(z_ptr + row * stride + idx, mask=idx < V, other=float('-inf'))
-        m_new = tl.maximum(m, tl.max(z, 0))
+        tile_max = tl.max(z, 0)
+        tile_arg = tl.argmax(z, 0).to(tl.int64) + start
+        arg = tl.where(tile_max > m, tile_arg, arg)
+        m_new = tl.maximum(m, tile_max)
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
         m = m_new
-    tl.store(out_ptr + row * 2, m)
-    tl.store(out_ptr + row * 2 + 1, tl.log(s))
+    tl.store(out_ptr + row * 3, m)
+    tl.store(out_ptr + row * 3 + 1, tl.log(s))
+    tl.store(out_ptr + row * 3 + 2, arg.to(tl.float32))
 
 
 @triton.jit
-def _overlap_kernel(zt_ptr, st, lse_t_ptr, zq_ptr, sq, lse_q_ptr, out_ptr, V, BLOCK: tl.constexpr):
+def _pair_sums_kernel(zt_ptr, st, lse_t_ptr, zq_ptr, sq, lse_q_ptr, out_ptr, V, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     lse_t = tl.load(lse_t_ptr + row)
     lse_q = tl.load(lse_q_ptr + row)
     overlap = tl.zeros((), tl.float32)
     dot = tl.zeros((), tl.float32)
+    kl = tl.zeros((), tl.float32)
     for start in range(0, V, BLOCK):
         idx = start + offs
         valid = idx < V
-        p = tl.exp(tl.load(zt_ptr + row * st + idx, mask=valid, other=float('-inf')) - lse_t)
-        q = tl.exp(tl.load(zq_ptr + row * sq + idx, mask=valid, other=float('-inf')) - lse_q)
+        log_p = tl.load(zt_ptr + row * st + idx, mask=valid, other=float('-inf')) - lse_t
+        log_q = tl.load(zq_ptr + row * sq + idx, mask=valid, other=float('-inf')) - lse_q
+        p = tl.exp(log_p)
+        q = tl.exp(log_q)
         overlap += tl.sum(tl.minimum(p, q), 0)
         dot += tl.sum(tl.where(q < p, q, 0.0), 0)
-    tl.store(out_ptr + row * 2, overlap)
-    tl.store(out_ptr + row * 2 + 1, dot)
+        kl += tl.sum(tl.where(p > 0, p * (log_p - log_q), 0.0), 0)
+    tl.store(out_ptr + row * 3, overlap)
+    tl.store(out_ptr + row * 3 + 1, dot)
+    tl.store(out_ptr + row * 3 + 2, kl)
 
 
 @triton.jit
-def _grad_kernel(zt_ptr, st, lse_t_ptr, zq_ptr, sq, lse_q_ptr, dot_ptr, coef_ptr, V, BLOCK: tl.constexpr):
-    # coef * q * (dot - 1[q < p]) written over the draft logits (strict <: ties pass no gradient).
+def _grad_kernel(
+    zt_ptr, st, lse_t_ptr, zq_ptr, sq, lse_q_ptr, dot_ptr, tv_ptr, kl_ptr, V, BLOCK: tl.constexpr
+):
+    # tv * q * (dot - 1[q < p]) + kl * (q - p) written over the draft logits (strict <: ties
+    # pass no TV gradient).
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     lse_t = tl.load(lse_t_ptr + row)
     lse_q = tl.load(lse_q_ptr + row)
     dot = tl.load(dot_ptr + row)
-    coef = tl.load(coef_ptr + row)
+    tv = tl.load(tv_ptr + row)
+    kl = tl.load(kl_ptr + row)
     for start in range(0, V, BLOCK):
         idx = start + offs
         valid = idx < V
         p = tl.exp(tl.load(zt_ptr + row * st + idx, mask=valid, other=float('-inf')) - lse_t)
         q = tl.exp(tl.load(zq_ptr + row * sq + idx, mask=valid, other=float('-inf')) - lse_q)
         below = tl.where(q < p, 1.0, 0.0)
-        tl.store(zq_ptr + row * sq + idx, coef * q * (dot - below), mask=valid)
+        tl.store(zq_ptr + row * sq + idx, tv * q * (dot - below) + kl * (q - p), mask=valid)
 
 
-def row_stats(z: torch.Tensor):
-    """``(row max [n], log sum exp(z - max) [n])`` of fp32 logits ``[n, V]``."""
+def row_stats(z: torch.Tensor, with_argmax: bool = False):
+    """``(row max [n], log sum exp(z - max) [n], argmax [n] int64 or None)`` of fp32 ``[n, V]``."""
     n, V = z.shape
-    out = torch.empty(n, 2, dtype=torch.float32, device=z.device)
+    out = torch.empty(n, 3, dtype=torch.float32, device=z.device)
     if n:
         _row_stats_kernel[(n,)](z, z.stride(0), out, V, BLOCK=_block(V))
-    return out[:, 0], out[:, 1]
+    argmax = out[:, 2].long() if with_argmax else None
+    return out[:, 0], out[:, 1], argmax
 
 
-def overlap(zt, lse_t, zq, lse_q):
-    """``(sum_v min(p, q), sum_v q_v 1[q_v < p_v])`` per row, this shard only."""
+def pair_sums(zt, lse_t, zq, lse_q):
+    """``(sum_v min(p, q), sum_v q_v 1[q_v < p_v], sum_v p log(p / q))`` per row, this shard only."""
     n, V = zq.shape
-    out = torch.empty(n, 2, dtype=torch.float32, device=zq.device)
+    out = torch.empty(n, 3, dtype=torch.float32, device=zq.device)
     if n:
-        _overlap_kernel[(n,)](
+        _pair_sums_kernel[(n,)](
             zt, zt.stride(0), lse_t.contiguous(), zq, zq.stride(0), lse_q.contiguous(), out, V,
             BLOCK=_block(V),
         )
-    return out[:, 0], out[:, 1]
+    return out[:, 0], out[:, 1], out[:, 2]
 
 
-def grad_(zt, lse_t, zq, lse_q, dot, coef):
-    """Overwrite ``zq`` with the logit gradient ``coef * q * (dot - 1[q < p])``; return it."""
+def grad_(zt, lse_t, zq, lse_q, dot: Optional[torch.Tensor], tv_coef: Optional[torch.Tensor],
+          kl_coef: Optional[torch.Tensor]):
+    """Overwrite ``zq`` with ``tv * q * (dot - 1[q < p]) + kl * (q - p)``; return it."""
     n, V = zq.shape
     if n:
+        zeros = torch.zeros(n, dtype=torch.float32, device=zq.device)
+
+        def column(x):
+            return zeros if x is None else x.float().contiguous()
+
         _grad_kernel[(n,)](
             zt, zt.stride(0), lse_t.contiguous(), zq, zq.stride(0), lse_q.contiguous(),
-            dot.float().contiguous(), coef.float().contiguous(), V, BLOCK=_block(V),
+            column(dot), column(tv_coef), column(kl_coef), V, BLOCK=_block(V),
         )
     return zq

@@ -1,0 +1,169 @@
+"""The acceptance-aware draft objectives, one small class each, plugged into the chunked sweep.
+
+The sweep in :mod:`.linear_tv` projects a chunk's logits, normalises them at the verification
+temperature ``T`` and reduces, for every depth-k draft row against its target row, the per-row
+sums a loss asks for: the overlap ``alpha = sum_v min(p, q)`` (always: it is the acceptance
+metric), the dot product ``sum_v q_v 1[q_v < p_v]`` of the TV gradient, and ``KL(p || q)``.
+A :class:`DraftLoss` then says, from those sums and the rows' loss weights ``w`` (mask and
+normalisation included), what the chunk's objective is and the two coefficients of its logit
+gradient (with respect to the logits divided by ``T``)::
+
+    dL/dz = tv_coef * q * (dot - 1[q < p]) + kl_coef * (q - p)
+
+since ``d alpha / dz = q * (1[q < p] - dot)`` and ``d KL / dz = q - p``. Every loss here keeps
+``|tv_coef| + |kl_coef| <= w`` per row, which the sweep relies on to scale low-precision logit
+gradients without looking at them.
+
+Adding a loss means adding a class here; the sweep does not change. No Megatron imports.
+"""
+
+from typing import Dict, NamedTuple, Optional, Tuple, Type
+
+import torch
+
+
+class LossTerms(NamedTuple):
+    """What a :class:`DraftLoss` makes of one chunk."""
+
+    loss: torch.Tensor
+    """Scalar: the chunk's weighted objective."""
+    per_depth: torch.Tensor
+    """``[G, n]``: each depth's unweighted per-token objective (what ``mtp_{k} loss`` logs)."""
+    tv_coef: Optional[torch.Tensor]
+    """``[G, n]`` coefficient of the TV gradient term, or None."""
+    kl_coef: Optional[torch.Tensor]
+    """``[G, n]`` coefficient of the KL gradient term, or None."""
+
+
+class DraftLoss:
+    """One draft-head objective over the per-row sums of the sweep.
+
+    Attributes:
+        name: the ``mtp_loss_type`` value.
+        per_chain: token weights are ``[s, b]``, one per chain of depths (else ``[G, s, b]``).
+        needs_kl: the sweep must compute ``KL(p || q)`` per row.
+        tv_grad / kl_grad: which gradient terms the loss has (the sweep skips the others'
+            per-row sums and passes).
+        row_local: a row's coefficients depend on that row alone, so on a single vocabulary
+            shard the gradient can be written in the same pass that computes the row's sums.
+    """
+
+    name: str = ''
+    per_chain: bool = False
+    needs_kl: bool = False
+    tv_grad: bool = False
+    kl_grad: bool = False
+    row_local: bool = True
+
+    def terms(self, alpha: torch.Tensor, kl: Optional[torch.Tensor], w: torch.Tensor) -> LossTerms:
+        """The chunk's objective and gradient coefficients.
+
+        Args:
+            alpha: ``[G, n]`` overlaps of the chunk's rows.
+            kl: ``[G, n]`` ``KL(p || q)`` per row (when :attr:`needs_kl`), else None.
+            w: ``[G, n]`` per-row loss weights (``[n]`` when :attr:`per_chain`).
+        """
+        tv_coef, kl_coef = self.row_coefficients(alpha, w)
+        per_depth = self.per_token(alpha, kl)
+        return LossTerms((w * per_depth).sum(), per_depth, tv_coef, kl_coef)
+
+    def row_coefficients(
+        self, alpha: torch.Tensor, w: torch.Tensor
+    ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(tv_coef, kl_coef)`` of rows from their overlap and weight (row-local losses)."""
+        raise NotImplementedError
+
+    def per_token(self, alpha: torch.Tensor, kl: Optional[torch.Tensor]) -> torch.Tensor:
+        """The unweighted objective of every row."""
+        raise NotImplementedError
+
+
+class TVLoss(DraftLoss):
+    """``'tv'``: ``1 - alpha_k`` per depth (Bebop Eq. 10); ``dL/dz = -w d alpha/dz``."""
+
+    name = 'tv'
+    tv_grad = True
+
+    def row_coefficients(self, alpha, w):
+        return w, None
+
+    def per_token(self, alpha, kl):
+        return 1.0 - alpha
+
+
+class EndToEndTVLoss(DraftLoss):
+    """``'e2e_tv'``: ``mean_j (1 - prod_{i<=j} alpha_i)`` per chain (Bebop Eq. 13).
+
+    ``dL/dalpha_i = -(w/G) prod_{k<i} alpha_k (1 + sum_{j>i} prod_{i<k<=j} alpha_k)``: no division
+    by alpha, so alpha = 0 is safe; the coefficient is at most ``w`` (the prefix product is at
+    most 1, the suffix sum at most G).
+    """
+
+    name = 'e2e_tv'
+    per_chain = True
+    tv_grad = True
+    row_local = False
+
+    def terms(self, alpha, kl, w):
+        G = alpha.shape[0]
+        prefix = torch.cat([torch.ones_like(alpha[:1]), alpha[:-1]]).cumprod(0)  # prod_{k<i}
+        suffix = [torch.ones_like(alpha[0])]  # 1 + sum_{j>i} prod_{i<k<=j} alpha_k
+        for i in range(G - 1, 0, -1):
+            suffix.append(1.0 + alpha[i] * suffix[-1])
+        suffix = torch.stack(suffix[::-1])
+        # mean_j (1 - prod_{i<=j} alpha_i), not 1 - mean_j prod: the latter cancels to 0 in fp32
+        # when every alpha is within an ulp of 1.
+        rejected = (1.0 - prefix * alpha).mean(0)
+        return LossTerms((w * rejected).sum(), 1.0 - alpha, (w / G) * prefix * suffix, None)
+
+
+class KLLoss(DraftLoss):
+    """``'kl'``: ``KL(p || q_k)`` per depth (self-distillation); ``dL/dz = w (q - p)``."""
+
+    name = 'kl'
+    needs_kl = True
+    kl_grad = True
+
+    def row_coefficients(self, alpha, w):
+        return None, w
+
+    def per_token(self, alpha, kl):
+        return kl
+
+
+class LKLoss(DraftLoss):
+    """``'lk'``: ``lambda KL(p || q_k) + (1 - lambda)(1 - alpha_k)``, ``lambda = exp(-eta alpha_k)``
+    held constant (the LK losses paper, arXiv 2602.23881): a cold head (alpha near 0) learns like
+    KL, a warm one like TV. ``eta = 0`` is ``'kl'``; large ``eta`` approaches ``'tv'``."""
+
+    name = 'lk'
+    needs_kl = True
+    tv_grad = True
+    kl_grad = True
+
+    def __init__(self, eta: float = 3.0):
+        if not eta >= 0:
+            raise ValueError(f'lk eta={eta!r} must be >= 0.')
+        self.eta = float(eta)
+
+    def mix(self, alpha: torch.Tensor) -> torch.Tensor:
+        """``lambda = exp(-eta alpha)`` (no gradient flows through it: alpha is detached)."""
+        return torch.exp(-self.eta * alpha)
+
+    def row_coefficients(self, alpha, w):
+        lam = self.mix(alpha)
+        return w * (1.0 - lam), w * lam
+
+    def per_token(self, alpha, kl):
+        lam = self.mix(alpha)
+        return lam * kl + (1.0 - lam) * (1.0 - alpha)
+
+
+LOSSES: Dict[str, Type[DraftLoss]] = {cls.name: cls for cls in (TVLoss, EndToEndTVLoss, KLLoss, LKLoss)}
+
+
+def make_loss(loss_type: str, lk_eta: float = 3.0) -> DraftLoss:
+    """The :class:`DraftLoss` for an ``mtp_loss_type`` other than cross-entropy."""
+    if loss_type not in LOSSES:
+        raise ValueError(f'loss_type={loss_type!r}; expected one of {sorted(LOSSES)}.')
+    return LKLoss(lk_eta) if loss_type == 'lk' else LOSSES[loss_type]()
