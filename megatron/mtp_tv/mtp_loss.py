@@ -2,7 +2,7 @@
 
 :func:`process_mtp_tv_loss` takes the arguments of
 ``megatron.core.transformer.multi_token_prediction.process_mtp_loss`` (megatron-core 0.19.2);
-Megatron's function calls it for ``mtp_loss_type`` ``'tv'`` and ``'e2e_tv'`` (the plugin wraps it,
+Megatron's function calls it for every ``mtp_loss_type`` but cross-entropy (the plugin wraps it,
 the patches edit it) and keeps its own code for ``'ce'``. Everything around the loss stays Megatron's:
 labels and loss mask are rolled with Megatron's ``roll_tensor`` (so masks, packed-sequence and
 context-parallel boundaries and ``num_tokens`` are exactly those of the CE path), the
@@ -68,7 +68,7 @@ def process_mtp_tv_loss(
     input_ids: Optional[Tensor] = None,
     metrics_only: bool = False,
 ) -> Tensor:
-    """The ``'tv'`` / ``'e2e_tv'`` MTP loss (see :mod:`megatron.mtp_tv.linear_tv`).
+    """The ``'tv'`` / ``'e2e_tv'`` / ``'kl'`` / ``'lk'`` MTP loss (see :mod:`megatron.mtp_tv.linear_tv`).
 
     ``metrics_only`` computes and logs the acceptance metrics without attaching a loss (used for
     ``mtp_log_acceptance`` with the CE loss, under ``torch.no_grad``).
@@ -98,7 +98,7 @@ def process_mtp_tv_loss(
         weight = weight.detach()
     if getattr(output_layer, 'bias', None) is not None:
         raise ValueError(
-            "mtp_loss_type='tv'/'e2e_tv' supports an output layer without bias (GPTModel's); "
+            f"mtp_loss_type={loss_type!r} supports an output layer without bias (GPTModel's); "
             "this output layer has a bias."
         )
     cp_layout = getattr(packed_seq_params, 'cp_partition_mode', None)
@@ -123,7 +123,7 @@ def process_mtp_tv_loss(
     masks = torch.stack(depth_masks).float()  # [D, b, s]
 
     # Weights carry mask and normalisation: the loss is then Megatron's scale * sum(tensor).
-    if loss_type == 'tv':
+    if loss_type != 'e2e_tv':  # one term per depth and token, normalised per depth like CE
         num_tokens = torch.stack(depth_num_tokens).float().clamp(min=1)  # [D]
         scale = config.mtp_loss_scaling_factor / depth
         norm = scale / num_tokens
@@ -168,6 +168,9 @@ def process_mtp_tv_loss(
         labels=torch.stack(depth_labels).transpose(1, 2) if is_training else None,
         fused=os.environ.get(FUSED_ENV, '1') != '0',
     )
+        temperature=getattr(config, 'mtp_tv_temperature', 1.0),
+        lk_eta=getattr(config, 'mtp_lk_eta', 3.0),
+        metrics=is_training,
 
     if is_training:
         save_acceptance_to_tracker(
@@ -175,6 +178,8 @@ def process_mtp_tv_loss(
             masks=masks.transpose(1, 2),
             greedy_correct=result.greedy_correct,
             avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+            greedy_agreement=result.greedy_agreement,
+            per_depth_loss=result.per_depth,
             log_loss=not metrics_only,
         )
     if metrics_only:
