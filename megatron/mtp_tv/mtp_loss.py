@@ -66,6 +66,7 @@ def process_mtp_tv_loss(
     packed_seq_params=None,
     scale_logits_fn: Optional[Callable[[Tensor], Tensor]] = None,
     input_ids: Optional[Tensor] = None,
+    sequence_roll_context=None,
     metrics_only: bool = False,
 ) -> Tensor:
     """The ``'tv'`` / ``'e2e_tv'`` / ``'kl'`` / ``'lk'`` MTP loss (see :mod:`megatron.mtp_tv.linear_tv`).

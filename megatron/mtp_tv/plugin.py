@@ -38,6 +38,92 @@ _MTP_LOSS_CALLERS = (
 #: Methods ``dataclasses.dataclass`` generates and only sets when absent from the class dict.
 _GENERATED = ('__init__', '__repr__', '__eq__', '__match_args__')
 
+# What this package knows of the Megatron code it calls. ``install()`` checks the running
+# megatron-core against these before changing anything, and ``tools/make_patches.py`` checks a
+# tree against them (it reads these literals from this file), so that an unknown tree is
+# refused with the fact that differs instead of failing at the first forward or, worse,
+# computing a wrong loss. Update them together with the code that handles a new form.
+
+#: ``roll_tensor`` forms that ``mtp_loss._roll_once`` calls correctly, by first parameter:
+#: ``(required parameters, optional parameters)``. ``'tensor'``: one tensor in, ``(rolled, sum)``
+#: out (megatron-core 0.19, NVIDIA main with ``return_sum``); ``'tensors'``: a list in, a list out
+#: (NVIDIA dev, radixark miles-main-20260819).
+ROLL_TENSOR_FORMS = {
+    'tensor': (('tensor', 'shifts', 'dims', 'cp_group', 'packed_seq_params'), ('return_sum',)),
+    'tensors': (
+        ('tensors', 'shifts', 'dims', 'cp_group', 'packed_seq_params', 'sequence_fields'),
+        ('fill_values', 'roll_context', 'roll_depth'),
+    ),
+}
+
+#: The ``MTPLossLoggingHelper`` method ``metrics.save_acceptance_to_tracker`` records the
+#: per-depth loss with (the first one the tree has), and the parameters it must have.
+TRACKER_APIS = {
+    'save_metrics_to_tracker': (
+        'loss', 'correct', 'total', 'layer_number', 'num_layers', 'reduce_group', 'avg_group'
+    ),
+    'save_loss_to_tracker': ('loss', 'layer_number', 'num_layers', 'reduce_group', 'avg_group'),
+}
+
+#: ``process_mtp_tv_loss`` parameters that are not ``process_mtp_loss`` parameters.
+_TV_ONLY_PARAMS = ('metrics_only',)
+
+
+class UnsupportedMegatronError(RuntimeError):
+    """The running megatron-core has MTP code this package does not know how to drive."""
+
+
+def roll_tensor_problem(params) -> str:
+    """Why ``roll_tensor(*params)`` is not a form ``_roll_once`` knows ('' when it is)."""
+    params = tuple(params)
+    form = ROLL_TENSOR_FORMS.get(params[0] if params else None)
+    if form is None:
+        return (
+            f"roll_tensor's first parameter is {params[0] if params else None!r}; known forms "
+            f'start with {sorted(ROLL_TENSOR_FORMS)}'
+        )
+    required, optional = form
+    missing = [p for p in required if p not in params]
+    unknown = [p for p in params if p not in required + optional]
+    if missing or unknown:
+        return (
+            f'roll_tensor{params}: '
+            + '; '.join(
+                ([f'lacks {missing}'] if missing else [])
+                + ([f'has unknown parameter(s) {unknown}'] if unknown else [])
+            )
+            + f' (the {params[0]!r} form takes {required} and optionally {optional})'
+        )
+    return ''
+
+
+def tracker_problem(methods: Dict[str, tuple]) -> str:
+    """Why ``MTPLossLoggingHelper`` with ``{method: parameters}`` is unknown ('' when known)."""
+    for name, expected in TRACKER_APIS.items():
+        if name in methods:
+            if tuple(methods[name]) != expected:
+                return (
+                    f'MTPLossLoggingHelper.{name}{tuple(methods[name])} is not the known '
+                    f'{name}{expected}'
+                )
+            return ''
+    return f'MTPLossLoggingHelper has none of {list(TRACKER_APIS)}'
+
+
+def process_mtp_loss_problem(params, tv_params, tv_required) -> str:
+    """Why ``process_mtp_loss(*params)`` cannot be handed to ``process_mtp_tv_loss``."""
+    known = [p for p in tv_params if p not in _TV_ONLY_PARAMS]
+    unknown = [p for p in params if p not in known]
+    missing = [p for p in tv_required if p not in params]
+    if unknown:
+        return (
+            f'process_mtp_loss has parameter(s) {unknown} that the TV losses do not know '
+            f'(known: {known})'
+        )
+    if missing:
+        return f'process_mtp_loss lacks {missing}, which the TV losses need'
+    return ''
+
 
 def install() -> None:
     """Give this process's megatron-core the ``'tv'`` and ``'e2e_tv'`` MTP losses.
@@ -56,10 +142,48 @@ def install() -> None:
             # wrapping its process_mtp_loss again would log the metrics twice.
             _installed = True
             return
+        check_megatron()  # before changing anything: an unknown tree is left as it was
         add_config_fields(TransformerConfig)
         _install_loss()
         _install_metrics_logging()
         _installed = True
+
+
+def check_megatron() -> None:
+    """Raise :class:`UnsupportedMegatronError` if this megatron-core's MTP code is unknown.
+
+    Checked: the parameters of ``process_mtp_loss`` (every one must be a parameter of
+    ``process_mtp_tv_loss``, which receives them all), the form of ``roll_tensor`` (see
+    :data:`ROLL_TENSOR_FORMS`) and the tracker method the acceptance metrics use
+    (:data:`TRACKER_APIS`).
+    """
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    from .mtp_loss import process_mtp_tv_loss
+
+    tv = inspect.signature(process_mtp_tv_loss).parameters
+    tv_required = [n for n, p in tv.items() if p.default is inspect.Parameter.empty]
+    helper = mtp.MTPLossLoggingHelper
+    problems = [
+        process_mtp_loss_problem(_params(mtp.process_mtp_loss), list(tv), tv_required),
+        roll_tensor_problem(_params(mtp.roll_tensor)),
+        tracker_problem({
+            name: _params(getattr(helper, name)) for name in TRACKER_APIS if hasattr(helper, name)
+        }),
+    ]
+    problems = [p for p in problems if p]
+    if problems:
+        raise UnsupportedMegatronError(
+            f'megatron.mtp_tv.install(): the MTP code of this megatron-core ({mtp.__file__}) is '
+            f'not what this package knows, so it was left unchanged:\n  '
+            + '\n  '.join(problems)
+            + "\nUse a supported megatron-core (0.19.x, NVIDIA Megatron-LM main or dev), or "
+            'tools/make_patches.py --tree, which names the same facts for a checkout.'
+        )
+
+
+def _params(fn) -> tuple:
+    return tuple(inspect.signature(inspect.unwrap(fn)).parameters)
 
 
 def is_installed() -> bool:
@@ -186,7 +310,7 @@ def _install_metrics_logging() -> None:
     original = MTPLossLoggingHelper.track_mtp_metrics
 
     def track_mtp_metrics(loss_scale, iteration, writer, wandb_writer=None, total_loss_dict=None):
-        log_acceptance_metrics(iteration, writer, wandb_writer)
+        log_acceptance_metrics(iteration, writer, wandb_writer, total_loss_dict)
         return original(loss_scale, iteration, writer, wandb_writer, total_loss_dict)
 
     MTPLossLoggingHelper.track_mtp_metrics = staticmethod(track_mtp_metrics)
