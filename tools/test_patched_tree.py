@@ -34,15 +34,17 @@ PATCH = make_patches.TARGETS['megatron-core-0.19.2'].patch_path
 
 #: What runs against the patched tree by default: every test that goes through Megatron code the
 #: patch changes (config fields and validation, the generated CLI, GPTModel's MTP loss in all
-#: parallel layouts, args forwarding, the examples). The loss math itself (linear_tv, the
+#: parallel layouts, HybridModel's, args forwarding, the examples). The loss math itself (linear_tv, the
 #: kernels, the verifier) is byte-identical in both places (tests/test_patches.py checks that)
 #: and runs once, in plugin mode.
 PATCH_MODE_TESTS = (
     'tests/test_config_cli.py',
     'tests/test_model_tv.py',
+    'tests/test_hybrid_model.py',
     'tests/test_parallel.py',
     'tests/test_args_forwarding.py',
     'tests/test_examples.py',
+    'tests/test_upstream_names.py',
 )
 
 

@@ -21,6 +21,7 @@ import torch
 
 __all__ = [
     "build_gpt_with_mtp",
+    "build_hybrid_with_mtp",
     "forward_loss",
     "MTPCapture",
     "capture_mtp_hidden_states",
@@ -101,6 +102,161 @@ def build_gpt_with_mtp(
         position_embedding_type=position_embedding_type,
         parallel_output=True,
     )
+    return model
+
+
+def _local_hybrid_stack_spec():
+    """A ``HybridStack`` spec with attention (``*``) and MLP (``-``) layers and MTP, local modules.
+
+    megatron-core 0.19.2 ships only Transformer Engine specs for the hybrid model
+    (``hybrid_layer_specs.py``), so this one reuses the local GPT layer spec's pieces: its
+    attention half for ``*`` (``TransformerLayer`` with input norm, ``SelfAttention``), its MLP
+    half for ``-`` (``MLPLayer`` with pre-MLP norm), and a ``MultiTokenPredictionLayer`` with
+    local norms and a ``ColumnParallelLinear`` ``eh_proj`` whose inner layers are built from the
+    MTP pattern with this same stack spec. No Mamba (``M``): ``MambaMixer`` raises ImportError
+    without the ``mamba_ssm`` package, whose scan kernels are CUDA/Triton only.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock,
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import (
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    gpt = get_gpt_layer_local_spec().submodules
+    norm = gpt.input_layernorm
+    attention = ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm, self_attention=gpt.self_attention, self_attn_bda=gpt.self_attn_bda
+        ),
+    )
+    mlp = ModuleSpec(
+        module=MLPLayer,
+        submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp, mlp_bda=gpt.mlp_bda
+        ),
+    )
+    mtp_layer = ModuleSpec(
+        module=MultiTokenPredictionLayer,
+        submodules=MultiTokenPredictionLayerSubmodules(
+            enorm=norm, hnorm=norm, eh_proj=ColumnParallelLinear, mtp_model_layer=None,
+            layer_norm=norm,
+        ),
+    )
+    mtp_block = ModuleSpec(
+        module=MultiTokenPredictionBlock,
+        submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer]),
+    )
+    return ModuleSpec(
+        module=HybridStack,
+        submodules=HybridStackSubmodules(
+            attention_layer=attention, mlp_layer=mlp, mtp_block_spec=mtp_block
+        ),
+    )
+
+
+@contextlib.contextmanager
+def _hybrid_final_norm_without_te():
+    """While a ``HybridModel`` is built: the decoder's final norm from torch, not TE.
+
+    ``HybridStack.__init__`` builds its final norm (``post_layer_norm``) with ``TENorm``
+    unconditionally, whatever the spec says, and ``TENorm`` raises ``ImportError`` without
+    Transformer Engine: the one piece of an attention/MLP hybrid model that cannot be built on
+    a CPU. The name is looked up only there, so swapping the module's ``TENorm`` for the torch
+    norm the local specs use (same ``(config, hidden_size, eps)`` constructor, LayerNorm or
+    RMSNorm from ``config.normalization``) during construction changes nothing else; the MTP
+    layers' inner stacks have ``post_layer_norm=False`` and their own local norms.
+    """
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    saved = hybrid_block.TENorm
+    hybrid_block.TENorm = WrappedTorchNorm
+    try:
+        yield
+    finally:
+        hybrid_block.TENorm = saved
+
+
+def build_hybrid_with_mtp(
+    vocab_size: int = 128,
+    hidden_size: int = 32,
+    main_pattern: str = "*-",
+    mtp_pattern: str = "*-",
+    mtp_num_layers: int = 2,
+    seq_length: int = 16,
+    num_attention_heads: int = 4,
+    tie_embeddings: bool = True,
+    sequence_parallel: bool = False,
+    params_dtype: torch.dtype = torch.float32,
+    seed: int = 1234,
+    position_embedding_type: str = "learned_absolute",
+    **config_overrides,
+):
+    """A megatron-core ``HybridModel`` with ``mtp_num_layers`` MTP depths, attention/MLP only.
+
+    The layer pattern is ``main_pattern`` followed by ``/mtp_pattern`` once per depth
+    (megatron's unified ``hybrid_layer_pattern``, e.g. ``'*-/*-/*-'``), with ``*`` attention and
+    ``-`` MLP layers from local (non-TE) modules (:func:`_local_hybrid_stack_spec`; Mamba and
+    the other TE-only layer types are not available). Initialisation, dropout, parallel sizes and
+    ``config_overrides`` are as in :func:`build_gpt_with_mtp`; ``num_layers`` is
+    ``len(main_pattern)``, as megatron's argument validation derives it.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.mtp_tv.testing.distributed import seed_everything
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    cp = parallel_state.get_context_parallel_world_size()
+    if vocab_size % tp != 0:
+        raise ValueError(f"vocab_size={vocab_size} must be divisible by TP={tp}")
+    if set(main_pattern + mtp_pattern) - set("*-"):
+        raise ValueError(
+            f"patterns {main_pattern!r}/{mtp_pattern!r}: only '*' (attention) and '-' (MLP) "
+            "layers can be built without Transformer Engine"
+        )
+    config_kwargs = dict(
+        num_layers=len(main_pattern),
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        mtp_num_layers=mtp_num_layers,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        gradient_accumulation_fusion=False,
+    )
+    config_kwargs.update(config_overrides)
+    config = TransformerConfig(**config_kwargs)
+    seed_everything(seed)
+    with _hybrid_final_norm_without_te():
+        model = HybridModel(
+            config=config,
+            hybrid_stack_spec=_local_hybrid_stack_spec(),
+            vocab_size=vocab_size,
+            max_sequence_length=seq_length,
+            hybrid_layer_pattern=main_pattern + f"/{mtp_pattern}" * mtp_num_layers,
+            share_embeddings_and_output_weights=tie_embeddings,
+            position_embedding_type=position_embedding_type,
+            parallel_output=True,
+        )
     return model
 
 
