@@ -1,10 +1,11 @@
-"""The TV losses through a real megatron-core HybridModel with MTP (TP=1, one process).
+"""The TV losses through a real megatron-core HybridModel with MTP.
 
 ``HybridModel`` calls ``process_mtp_loss`` by its own imported name (``hybrid_model.py``), which
 the plugin replaces and the patch changes at its source. This builds one with an attention/MLP
 layer pattern (``'*-/*-/*-'``: main ``*-``, then ``*-`` per MTP depth; no Mamba, which needs the
 CUDA-only ``mamba_ssm``) from local modules (``build_hybrid_with_mtp``) and checks the package's
-loss, logged per-depth TV and every parameter gradient against the independent reference the
+loss, logged per-depth loss and every parameter gradient (``'tv'``, ``'e2e_tv'``, and
+``'kl'``/``'lk'``) against the independent reference the
 GPTModel tests use (``tests/model_reference.py``: the model's own hidden states, the objective
 from the equations, plain autograd).
 """
@@ -65,12 +66,11 @@ def _run_reference(depth, loss_type, tie, **overrides):
     weight = (model.shared_embedding_or_output_weight() if tie else model.output_layer.weight)
     if overrides.get('mtp_detach_heads'):
         weight = weight.detach()
-    mtp, alpha, masks = mtp_reference_objective(
+    mtp, _, _, logged = mtp_reference_objective(
         record['hidden'], depth, weight, mask, loss_type, FACTOR
     )
     (main + mtp).backward()
-    tv_per_depth = ((masks * (1 - alpha.detach())).sum((1, 2)) / masks.sum((1, 2))).float()
-    return main.detach(), _grads(model), tv_per_depth
+    return main.detach(), _grads(model), logged
 
 
 def _assert_same_grads(got, ref):
@@ -89,17 +89,19 @@ def _assert_same_grads(got, ref):
         ('e2e_tv', 3, 5, True, {}),
         ('tv', 2, 7, False, {}),
         ('e2e_tv', 2, 1, False, {'mtp_detach_heads': True}),
+        ('kl', 2, 5, True, {}),
+        ('lk', 2, 5, False, {}),
     ],
 )
 def test_hybrid_loss_and_every_gradient_match_reference(loss_type, depth, chunk, tie, overrides):
     with single_process():
         main, grads, logged = _run_package(depth, loss_type, chunk, tie, **overrides)
     with single_process():
-        ref_main, ref_grads, ref_tv = _run_reference(depth, loss_type, tie, **overrides)
+        ref_main, ref_grads, ref_logged = _run_reference(depth, loss_type, tie, **overrides)
     # The MTP layers' inner stacks are real: their attention and MLP weights get gradients.
     assert any(n.startswith('mtp.layers.0.mtp_model_layer.layers.1.mlp') for n in grads)
     torch.testing.assert_close(main, ref_main)
-    torch.testing.assert_close(logged, ref_tv, rtol=1e-5, atol=1e-6)  # mtp_{k} loss = mean TV
+    torch.testing.assert_close(logged, ref_logged, rtol=1e-5, atol=1e-6)  # mtp_{k} loss
     _assert_same_grads(grads, ref_grads)
 
 
