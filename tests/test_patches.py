@@ -4,12 +4,17 @@ package source, and they apply.
 * megatron-core 0.19.2: regenerated here from the pristine files (the installed distribution
   when it is that release, verified by sha256, else the registry wheel) and compared byte for
   byte; applied with ``git apply`` to those files.
-* radixark/Megatron-LM fork patches: without the fork, every package file in them must equal the
-  package source and the lines they add to / remove from Megatron files must equal what the
-  generator renders for that tree now. With a clone of the fork in ``MTP_TV_MEGATRON_LM`` they
-  are regenerated and applied too.
+* patches for git commits (radixark/Megatron-LM forks, NVIDIA/Megatron-LM main and dev): without
+  the tree, every package file in them must equal the package source, the lines they add to /
+  remove from Megatron files must equal what the generator renders for that tree now, and the
+  facts recorded for the tree must be ones the package knows. With clones holding the commits
+  in ``MTP_TV_MEGATRON_LM`` (``os.pathsep``-separated) they are regenerated and applied too.
+* ``make_patches.py --tree``: a patch for any checkout, tested on the 0.19.2 files unpacked from
+  the wheel (plain and as a git checkout) and refused, naming the fact, on trees changed beyond
+  what the generator knows.
 """
 
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -70,13 +75,21 @@ def test_0192_patch_applies_and_gives_the_generated_tree(tmp_path):
 
 
 @needs_git
-@pytest.mark.skipif(not FORK, reason='set MTP_TV_MEGATRON_LM to a clone of radixark/Megatron-LM')
+@pytest.mark.skipif(not FORK, reason='set MTP_TV_MEGATRON_LM to clones of radixark/Megatron-LM and '
+                    'NVIDIA/Megatron-LM (os.pathsep-separated)')
 @pytest.mark.parametrize('name', [n for n, t in sorted(mp.TARGETS.items()) if t.commit])
 def test_fork_patch_regenerates_and_applies(name, tmp_path):
     target = mp.TARGETS[name]
-    files = mp.pristine_files(target, Path(FORK))
+    files = _fork_files(target)
     assert mp.render_patch(target, files) == target.patch_path.read_text()
     _apply(tmp_path, files, target.patch_path)
+
+
+def _fork_files(target):
+    files = mp.pristine_files(target, FORK)
+    if files is None:
+        pytest.skip(f'no clone in MTP_TV_MEGATRON_LM has {target.repo} {target.commit[:9]}')
+    return files
 
 
 def test_stale_package_file_is_detected(monkeypatch):
@@ -135,11 +148,149 @@ def test_offline_regeneration_equals_full_regeneration(monkeypatch):
     assert mp.regenerate_offline(target, committed) == mp.render_patch(target, files)
 
 
-@pytest.mark.skipif(not FORK, reason='set MTP_TV_MEGATRON_LM to a clone of radixark/Megatron-LM')
+@pytest.mark.skipif(not FORK, reason='set MTP_TV_MEGATRON_LM to clones of radixark/Megatron-LM and '
+                    'NVIDIA/Megatron-LM (os.pathsep-separated)')
 @pytest.mark.parametrize('name', [n for n, t in sorted(mp.TARGETS.items()) if t.commit])
 def test_offline_regeneration_equals_full_regeneration_on_forks(name, monkeypatch):
     target = mp.TARGETS[name]
-    files = mp.pristine_files(target, Path(FORK))
+    files = _fork_files(target)
     committed = target.patch_path.read_text()
     _change_the_package(monkeypatch)
     assert mp.regenerate_offline(target, committed) == mp.render_patch(target, files)
+
+
+def test_every_config_field_is_in_every_patch():
+    """make_patches takes every field of MTPLossConfig (no list of names to keep in step)."""
+    from megatron.mtp_tv.config import MTPLossConfig
+
+    names = [f.name for f in dataclasses.fields(MTPLossConfig)]
+    assert mp.field_names() == tuple(names)
+    for name, target in sorted(mp.TARGETS.items()):
+        text = target.patch_path.read_text()
+        header = text.split('diff --git', 1)[0]
+        for field in names:
+            assert f'+    {field}: ' in text, (name, field)
+            assert f'--{field.replace("_", "-")}' in header, (name, field)
+
+
+def test_an_already_patched_config_is_refused_whatever_the_field():
+    files = mp.files_0192()
+    last = mp.field_names()[-1]
+    text = files[mp.CONFIG_FILE].replace(
+        '    mtp_num_layers: Optional[int] = None', f'    {last}: bool = False\n'
+        '    mtp_num_layers: Optional[int] = None', 1)
+    with pytest.raises(mp.PatchError, match=f'already has {last}: already patched'):
+        mp.edit_config(text)
+
+
+def test_patched_dispatch_keeps_every_cross_entropy_name_on_megatrons_code():
+    """'cross_entropy' (upstream's name) must take the 'ce' branch in every patched tree."""
+    from megatron.mtp_tv.config import CROSS_ENTROPY_NAMES
+
+    assert mp.cross_entropy_names() == CROSS_ENTROPY_NAMES
+    for name, target in sorted(mp.TARGETS.items()):
+        added = '\n'.join(line for line in target.patch_path.read_text().split('\n')
+                          if line.startswith('+') and 'mtp_loss_type' in line)
+        assert "!= 'ce'" not in added and "== 'ce'" not in added, name
+        assert f'mtp_loss_type not in {CROSS_ENTROPY_NAMES!r}' in added, name
+
+
+def test_recorded_facts_the_package_does_not_know_make_the_patch_stale():
+    target = mp.TARGETS['nvidia-dev-d48bd6be0']
+    facts = dataclasses.replace(
+        target.facts, roll_tensor_params=target.facts.roll_tensor_params + ('halo_width',)
+    )
+    problems = mp.check_offline(dataclasses.replace(target, facts=facts),
+                                target.patch_path.read_text())
+    assert any('recorded facts' in p and "'halo_width'" in p for p in problems), problems
+
+
+# ----------------------------------------------------------------------------------------------
+# --tree: a patch for any checkout
+# ----------------------------------------------------------------------------------------------
+
+
+def _write_tree(root: Path, files) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def _git(root: Path, *args):
+    subprocess.run(['git', '-c', 'user.name=t', '-c', 'user.email=t@t', *args], cwd=root,
+                   check=True, capture_output=True)
+
+
+def _diffs(text: str) -> str:
+    return text[text.index('diff --git'):]
+
+
+@needs_git
+def test_tree_mode_on_the_unpacked_wheel_gives_the_0192_patch(tmp_path):
+    tree = _write_tree(tmp_path / 'megatron-core', mp.files_0192())
+    out = tmp_path / 'out' / 'mine.patch'
+    assert mp.main(['--tree', str(tree), '-o', str(out)]) == 0
+    text = out.read_text()
+    assert _diffs(text) == _diffs(mp.TARGETS['megatron-core-0.19.2'].patch_path.read_text())
+    assert f'megatron-mtp-tv patch for the tree {tree.resolve()}' in text
+    for args in (['--check'], []):
+        subprocess.run(['git', 'apply', *args, str(out)], cwd=tree, check=True)
+    for rel, want in mp.patched_files(mp.files_0192()).items():
+        assert (tree / rel).read_text() == want, rel
+
+
+@needs_git
+def test_tree_mode_on_a_git_checkout_names_its_commit(tmp_path, monkeypatch, capsys):
+    tree = _write_tree(tmp_path / 'Megatron-LM', mp.files_0192())
+    _git(tree, 'init', '-q')
+    _git(tree, 'add', '.')
+    _git(tree, 'commit', '-q', '-m', 'pristine')
+    commit = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=tree, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    monkeypatch.chdir(tmp_path)
+    assert mp.main(['--tree', str(tree)]) == 0
+    out = tmp_path / f'megatron-mtp-tv-{commit[:9]}.patch'
+    assert str(out) in capsys.readouterr().out
+    assert f'commit {commit}.' in out.read_text()
+    # a checkout whose files differ from its HEAD where the patch goes is refused
+    mtp_file = tree / mp.MTP_FILE
+    mtp_file.write_text(mtp_file.read_text().replace('"""Track the Multi-Token Prediction', '"""X', 1))
+    out.unlink()
+    assert mp.main(['--tree', str(tree)]) == 2
+    assert 'does not apply' in capsys.readouterr().err and not out.exists()
+
+
+def _changed_0192(path, old, new):
+    files = dict(mp.files_0192())
+    assert files[path].count(old) == 1, old
+    files[path] = files[path].replace(old, new)
+    return files
+
+
+@needs_git
+@pytest.mark.parametrize(
+    'path,old,new,expected',
+    [
+        (mp.MTP_FILE, '    input_ids: Optional[Tensor] = None,\n) -> Tensor:',
+         '    input_ids: Optional[Tensor] = None,\n    halo_plan=None,\n) -> Tensor:',
+         "process_mtp_loss has parameter(s) ['halo_plan'] that the TV losses do not know"),
+        (mp.MTP_FILE, 'def roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, '
+         'packed_seq_params=None):',
+         'def roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None, '
+         'fill_value=0):',
+         "has unknown parameter(s) ['fill_value']"),
+        (mp.MTP_FILE, '    def save_metrics_to_tracker(', '    def save_stats_to_tracker(',
+         "MTPLossLoggingHelper has none of ['save_metrics_to_tracker', 'save_loss_to_tracker']"),
+        (mp.MTP_FILE, 'def process_mtp_loss(', 'def compute_mtp_loss(',
+         'has no process_mtp_loss'),
+    ],
+    ids=['process_mtp_loss-parameter', 'roll_tensor-parameter', 'tracker', 'no-mtp-loss'],
+)
+def test_tree_mode_refuses_a_fact_it_does_not_know(tmp_path, capsys, path, old, new, expected):
+    tree = _write_tree(tmp_path / 'tree', _changed_0192(path, old, new))
+    out = tmp_path / 'x.patch'
+    assert mp.main(['--tree', str(tree), '-o', str(out)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and 'no patch written' in err, err
+    assert not out.exists()

@@ -3,9 +3,10 @@
 
 One command regenerates every patch whose pristine tree it can reach::
 
-    python tools/make_patches.py                                   # all (forks: offline update)
-    python tools/make_patches.py --megatron-lm ~/src/Megatron-LM   # forks from the fork itself
+    python tools/make_patches.py                                   # all (git targets: offline update)
+    python tools/make_patches.py --megatron-lm ~/src/Megatron-LM   # git targets from a clone (repeatable)
     python tools/make_patches.py --check [--megatron-lm ...]       # exit 1 if a patch is stale
+    python tools/make_patches.py --tree ~/Megatron-LM [-o x.patch] # a patch for any checkout's HEAD
 
 What a patch does to a Megatron tree (the same changes :mod:`megatron.mtp_tv.plugin` makes at run
 time, written into the source so the feature is native there):
@@ -17,16 +18,23 @@ time, written into the source so the feature is native there):
   ``# END MTP_TV FIELDS`` of ``megatron/mtp_tv/config.py``, copied verbatim (docstrings included,
   so the tree's ``ArgumentGroupFactory`` makes ``--mtp-loss-type`` & co.) after the tree's last
   ``mtp_*`` field, and ``validate_mtp_loss_config(self)`` at the end of ``__post_init__``;
-* ``multi_token_prediction.py``: ``process_mtp_loss`` (where the tree has one) hands
-  ``'tv'``/``'e2e_tv'`` to ``process_mtp_tv_loss`` and keeps its own code for ``'ce'``;
+* ``multi_token_prediction.py``: ``process_mtp_loss`` (where the tree has one) hands every loss
+  type but ``'ce'`` (alias ``'cross_entropy'``, upstream's name) to ``process_mtp_tv_loss`` and
+  keeps its own code for those;
   ``MTPLossLoggingHelper.track_mtp_metrics`` logs the acceptance metrics first;
 * ``gpt_model.py`` of trees whose MTP loss is inline in ``GPTModel._postprocess`` (radixark
   ``miles-main``): the same dispatch there, fed exactly what the inline ``'ce'`` code uses.
 
 Pristine sources, always pinned: megatron-core 0.19.2 by the sha256 of the files the patch
 touches (read from the installed distribution when it is that release, else from the registry
-wheel, itself pinned by sha256); the forks by commit, read with ``git show`` from any clone of
-radixark/Megatron-LM. No copy of Megatron code is kept in this repository.
+wheel, itself pinned by sha256); the git targets (radixark/Megatron-LM forks, NVIDIA/Megatron-LM
+main and dev) by commit, read with ``git show`` from any clone holding it. No copy of Megatron
+code is kept in this repository (the patches' context lines aside).
+
+``--tree``: the facts (:class:`Facts`) are derived from the checkout itself (its HEAD; or the
+files on disk of a tree that is not a git checkout), every one is checked against what the
+package knows (the literals of ``megatron/mtp_tv/plugin.py``, the checks ``install()`` makes),
+and the patch is checked with ``git apply --check`` there; an unknown fact is refused by name.
 
 Staleness without the fork (``--check`` and ``tests/test_patches.py``): every patch is split
 into its files; the new package files must equal the package source, and the lines each patch
@@ -99,6 +107,11 @@ class Facts:
     """Parameters of ``process_mtp_loss`` (None: the tree has no such function)."""
     inline_gpt_loss: bool
     """Whether ``GPTModel._postprocess`` computes the MTP loss inline (radixark miles-main)."""
+    roll_tensor_params: Tuple[str, ...]
+    """Parameters of ``roll_tensor`` (its form: one tensor, or a list of them)."""
+    tracker_api: Tuple[str, ...]
+    """``(method, *parameters)`` of the ``MTPLossLoggingHelper`` method the metrics record the
+    per-depth loss with (``save_metrics_to_tracker``, else ``save_loss_to_tracker``)."""
 
 
 @dataclass(frozen=True)
@@ -107,11 +120,13 @@ class Target:
     description: str
     facts: Facts
     file_sha256: Dict[str, str] = field(default_factory=dict)  # wheel targets
-    commit: Optional[str] = None  # git targets (radixark/Megatron-LM)
+    commit: Optional[str] = None  # git targets
+    repo: str = 'radixark/Megatron-LM'  # where ``commit`` is (git targets)
+    patch_file: Optional[Path] = None  # default: patches/<name>.patch
 
     @property
     def patch_path(self) -> Path:
-        return PATCH_DIR / f'{self.name}.patch'
+        return self.patch_file or PATCH_DIR / f'{self.name}.patch'
 
 
 _UPSTREAM_PARAMS = (
@@ -124,6 +139,17 @@ _MILES_MAIN_PARAMS = (
     'runtime_gather_output', 'is_training', 'compute_language_model_loss', 'config', 'cp_group',
     'packed_seq_params',
 )
+_ROLL_ONE = ('tensor', 'shifts', 'dims', 'cp_group', 'packed_seq_params')
+_ROLL_LIST = (
+    'tensors', 'shifts', 'dims', 'cp_group', 'packed_seq_params', 'fill_values', 'roll_context',
+    'sequence_fields', 'roll_depth',
+)
+_TRACKER_METRICS = (
+    'save_metrics_to_tracker', 'loss', 'correct', 'total', 'layer_number', 'num_layers',
+    'reduce_group', 'avg_group',
+)
+_TRACKER_LOSS = ('save_loss_to_tracker', 'loss', 'layer_number', 'num_layers', 'reduce_group',
+                 'avg_group')
 
 TARGETS: Dict[str, Target] = {
     t.name: t
@@ -131,7 +157,10 @@ TARGETS: Dict[str, Target] = {
         Target(
             name='megatron-core-0.19.2',
             description='megatron-core 0.19.2 (the release on the registry; Megatron-LM core_r0.19)',
-            facts=Facts(process_mtp_loss_params=_UPSTREAM_PARAMS, inline_gpt_loss=False),
+            facts=Facts(
+                process_mtp_loss_params=_UPSTREAM_PARAMS, inline_gpt_loss=False,
+                roll_tensor_params=_ROLL_ONE, tracker_api=_TRACKER_METRICS,
+            ),
             file_sha256={
                 CONFIG_FILE: '3b0843377e6c827b1e2e389edec30392d3c288ab5c58d168167d0c85a26949ee',
                 MTP_FILE: '3261d63df93a77493678265d4eb55cac0fc918901537a4076460b2b09d11e5ac',
@@ -141,13 +170,19 @@ TARGETS: Dict[str, Target] = {
         Target(
             name='miles-main-36ceb4fc0',
             description='radixark/Megatron-LM miles-main at 36ceb4fc0 (base of the seed change)',
-            facts=Facts(process_mtp_loss_params=None, inline_gpt_loss=True),
+            facts=Facts(
+                process_mtp_loss_params=None, inline_gpt_loss=True,
+                roll_tensor_params=_ROLL_ONE, tracker_api=_TRACKER_LOSS,
+            ),
             commit='36ceb4fc0462c49e15fd80fd3ef08a852a0672f5',
         ),
         Target(
             name='miles-main-2e64d788b',
             description='radixark/Megatron-LM miles-main at 2e64d788b (branch head when generated)',
-            facts=Facts(process_mtp_loss_params=_MILES_MAIN_PARAMS, inline_gpt_loss=True),
+            facts=Facts(
+                process_mtp_loss_params=_MILES_MAIN_PARAMS, inline_gpt_loss=True,
+                roll_tensor_params=_ROLL_ONE, tracker_api=_TRACKER_LOSS,
+            ),
             commit='2e64d788b67fe8155774200c87606e1e449c494b',
         ),
         Target(
@@ -156,9 +191,30 @@ TARGETS: Dict[str, Target] = {
             'generated)',
             facts=Facts(
                 process_mtp_loss_params=_UPSTREAM_PARAMS + ('sequence_roll_context',),
-                inline_gpt_loss=False,
+                inline_gpt_loss=False, roll_tensor_params=_ROLL_LIST, tracker_api=_TRACKER_METRICS,
             ),
             commit='235952df607b3820716e5e67728a5ab470ca33ae',
+        ),
+        Target(
+            name='nvidia-main-d98e8a64d',
+            description='NVIDIA/Megatron-LM main at d98e8a64d (branch head when generated; '
+            'package_info 0.20.0)',
+            facts=Facts(
+                process_mtp_loss_params=_UPSTREAM_PARAMS, inline_gpt_loss=False,
+                roll_tensor_params=_ROLL_ONE + ('return_sum',), tracker_api=_TRACKER_METRICS,
+            ),
+            commit='d98e8a64ddf34856e74b24714e3bedb2f5a39553',
+            repo='NVIDIA/Megatron-LM',
+        ),
+        Target(
+            name='nvidia-dev-d48bd6be0',
+            description='NVIDIA/Megatron-LM dev at d48bd6be0 (branch head when generated)',
+            facts=Facts(
+                process_mtp_loss_params=_UPSTREAM_PARAMS + ('sequence_roll_context',),
+                inline_gpt_loss=False, roll_tensor_params=_ROLL_LIST, tracker_api=_TRACKER_METRICS,
+            ),
+            commit='d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1',
+            repo='NVIDIA/Megatron-LM',
         ),
     )
 }
@@ -221,12 +277,70 @@ def fields_block() -> str:
     return '\n'.join(lines[first : cls.end_lineno]).rstrip() + '\n'
 
 
-def tv_loss_params() -> Tuple[str, ...]:
+def field_names() -> Tuple[str, ...]:
+    """Every field of ``MTPLossConfig``, in order (what a patch adds to ``TransformerConfig``)."""
+    body = ast.parse(textwrap.dedent(fields_block())).body
+    return tuple(n.target.id for n in body if isinstance(n, ast.AnnAssign))
+
+
+def _tv_loss_function() -> ast.FunctionDef:
     tree = ast.parse((PACKAGE_DIR / 'mtp_loss.py').read_text())
-    fn = next(
+    return next(
         n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == 'process_mtp_tv_loss'
     )
+
+
+def tv_loss_params() -> Tuple[str, ...]:
+    fn = _tv_loss_function()
     return tuple(a.arg for a in fn.args.args + fn.args.kwonlyargs)
+
+
+def tv_loss_required_params() -> Tuple[str, ...]:
+    """Parameters of ``process_mtp_tv_loss`` without a default."""
+    fn = _tv_loss_function()
+    positional = fn.args.args
+    required = positional[: len(positional) - len(fn.args.defaults)]
+    required += [a for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults) if d is None]
+    return tuple(a.arg for a in required)
+
+
+def _module_level(path: Path, names: Sequence[str]) -> Dict[str, ast.stmt]:
+    """The top-level assignments and functions of ``path`` named ``names``."""
+    found = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            name = getattr(node.targets[0], 'id', None)
+        else:
+            name = getattr(node, 'name', None) if isinstance(node, ast.FunctionDef) else None
+        if name in names:
+            found[name] = node
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise PatchError(f'{path.relative_to(REPO)} no longer defines {missing}')
+    return found
+
+
+def cross_entropy_names() -> Tuple[str, ...]:
+    """``config.CROSS_ENTROPY_NAMES``: the loss types that keep Megatron's own CE code."""
+    node = _module_level(PACKAGE_DIR / 'config.py', ['CROSS_ENTROPY_NAMES'])['CROSS_ENTROPY_NAMES']
+    return tuple(ast.literal_eval(node.value))
+
+
+#: What megatron/mtp_tv/plugin.py knows of Megatron's MTP code, and its checks of it: the same
+#: literals and functions install() uses, read from the source (the generator does not import
+#: the package, which imports Megatron).
+_PLUGIN_CHECKS = (
+    'ROLL_TENSOR_FORMS', 'TRACKER_APIS', '_TV_ONLY_PARAMS', 'roll_tensor_problem',
+    'tracker_problem', 'process_mtp_loss_problem',
+)
+
+
+def plugin_checks() -> Dict[str, object]:
+    nodes = _module_level(PACKAGE_DIR / 'plugin.py', _PLUGIN_CHECKS)
+    namespace: Dict[str, object] = {'Dict': Dict, 'Tuple': Tuple, 'Sequence': Sequence}
+    module = ast.Module(body=[nodes[n] for n in _PLUGIN_CHECKS], type_ignores=[])
+    exec(compile(module, str(PACKAGE_DIR / 'plugin.py'), 'exec'), namespace)
+    return namespace
 
 
 # ----------------------------------------------------------------------------------------------
@@ -252,9 +366,14 @@ def snippet_config_import() -> List[str]:
 def snippet_validate() -> List[str]:
     return [
         '',
-        '        # MTP loss settings (mtp_loss_type, mtp_tv_chunk, mtp_log_acceptance).',
+        '        # MTP loss settings (the mtp_tv fields above).',
         '        validate_mtp_loss_config(self)',
     ]
+
+
+def _ce() -> str:
+    """The tuple of cross-entropy names as it appears in the rendered code."""
+    return repr(cross_entropy_names())
 
 
 def snippet_process_mtp_loss(params: Sequence[str]) -> List[str]:
@@ -263,16 +382,19 @@ def snippet_process_mtp_loss(params: Sequence[str]) -> List[str]:
     kwargs = [f'            {p}={p},' for p in passed]
     return [
         f'    {_HEADER}',
-        "    # 'tv' / 'e2e_tv' go to process_mtp_tv_loss; the code after this block is the 'ce'",
-        '    # loss, unchanged (mtp_log_acceptance adds the acceptance metrics to it).',
-        "    if config.mtp_loss_type != 'ce' or (config.mtp_log_acceptance and is_training):",
+        "    # Loss types other than 'ce' (alias 'cross_entropy') go to process_mtp_tv_loss; the",
+        "    # code after this block is the 'ce' loss, unchanged (mtp_log_acceptance adds the",
+        '    # acceptance metrics to it).',
+        f'    if config.mtp_loss_type not in {_ce()} or (',
+        '        config.mtp_log_acceptance and is_training',
+        '    ):',
         '        # Imported here: the mtp_tv package imports this module.',
         f'        from {TARGET_MODULE}.mtp_loss import process_mtp_tv_loss',
         '',
         '        mtp_tv_kwargs = dict(',
         *kwargs,
         '        )',
-        "        if config.mtp_loss_type != 'ce':",
+        f'        if config.mtp_loss_type not in {_ce()}:',
         '            return process_mtp_tv_loss(**mtp_tv_kwargs)',
         '        with torch.no_grad():',
         '            process_mtp_tv_loss(**mtp_tv_kwargs, metrics_only=True)',
@@ -283,7 +405,7 @@ def snippet_process_mtp_loss(params: Sequence[str]) -> List[str]:
 def snippet_track_metrics() -> List[str]:
     return [
         f'        {_HEADER}',
-        "        # Acceptance metrics of mtp_loss_type 'tv'/'e2e_tv' and mtp_log_acceptance.",
+        "        # Acceptance metrics of every mtp_loss_type but 'ce', and of mtp_log_acceptance.",
         f'        from {TARGET_MODULE}.metrics import log_acceptance_metrics',
         '',
         '        log_acceptance_metrics(iteration, writer, wandb_writer)',
@@ -295,14 +417,15 @@ def snippet_inline_gpt() -> Tuple[List[str], List[str]]:
     """(lines inserted before the inline branch, lines replacing its ``if`` line)."""
     before = [
         f'        {_HEADER}',
-        "        # 'tv' / 'e2e_tv' go to process_mtp_tv_loss, fed what the 'ce' branch below uses:",
-        "        # the tokens in mtp_kwargs['mtp_labels'] rolled once into labels together with the",
-        '        # loss mask, and a detached output layer (the MTP loss does not train it).',
+        "        # Loss types other than 'ce' (alias 'cross_entropy') go to process_mtp_tv_loss, fed",
+        "        # what the 'ce' branch below uses: the tokens in mtp_kwargs['mtp_labels'] rolled once",
+        '        # into labels together with the loss mask, and a detached output layer (the MTP',
+        '        # loss does not train it).',
         '        mtp_tv = (',
         '            self.config.mtp_num_layers',
         "            and mtp_kwargs.get('mtp_labels', None) is not None",
         '            and (',
-        "                self.config.mtp_loss_type != 'ce'",
+        f'                self.config.mtp_loss_type not in {_ce()}',
         '                or (self.config.mtp_log_acceptance and self.training)',
         '            )',
         '        )',
@@ -326,13 +449,13 @@ def snippet_inline_gpt() -> Tuple[List[str], List[str]]:
         '                cp_group=self.cp_group,',
         '                packed_seq_params=packed_seq_params,',
         '            )',
-        "            if self.config.mtp_loss_type == 'ce':",
+        f'            if self.config.mtp_loss_type in {_ce()}:',
         '                with torch.no_grad():',
         '                    process_mtp_tv_loss(**mtp_tv_kwargs, metrics_only=True)',
         '',
     ]
     replace = [
-        "        if mtp_tv and self.config.mtp_loss_type != 'ce':",
+        f'        if mtp_tv and self.config.mtp_loss_type not in {_ce()}:',
         '            hidden_states = process_mtp_tv_loss(**mtp_tv_kwargs)',
         f'        elif {INLINE_CONDITION}:',
     ]
@@ -460,11 +583,61 @@ class Editor:
         return ''.join(out)
 
 
+def _params(fn) -> Tuple[str, ...]:
+    return tuple(a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs)
+
+
 def derive_facts(files: Dict[str, str]) -> Facts:
+    """The facts the rendered edits and the package's code depend on, read from the tree."""
     mtp = ast.parse(files[MTP_FILE])
     fn = _find_function(mtp.body, 'process_mtp_loss')
-    params = None if fn is None else tuple(a.arg for a in fn.args.args + fn.args.kwonlyargs)
-    return Facts(process_mtp_loss_params=params, inline_gpt_loss=_inline_if(files[GPT_FILE]) is not None)
+    roll = _find_function(mtp.body, 'roll_tensor')
+    tracker_api: Tuple[str, ...] = ()
+    helper = next(
+        (n for n in mtp.body if isinstance(n, ast.ClassDef) and n.name == 'MTPLossLoggingHelper'),
+        None,
+    )
+    if helper is not None:
+        for name in plugin_checks()['TRACKER_APIS']:  # the order metrics.py tries them in
+            method = _find_function(helper.body, name)
+            if method is not None:
+                tracker_api = (name,) + _params(method)
+                break
+    return Facts(
+        process_mtp_loss_params=None if fn is None else _params(fn),
+        inline_gpt_loss=_inline_if(files[GPT_FILE]) is not None,
+        roll_tensor_params=() if roll is None else _params(roll),
+        tracker_api=tracker_api,
+    )
+
+
+def fact_problems(facts: Facts) -> List[str]:
+    """What in ``facts`` the generator or the package does not know (empty: all known).
+
+    The same checks as ``install()`` makes in plugin mode (megatron/mtp_tv/plugin.py), plus:
+    the tree must have an MTP loss this generator can hook (``process_mtp_loss``, or the inline
+    branch of radixark miles-main's ``GPTModel._postprocess``).
+    """
+    checks = plugin_checks()
+    problems = []
+    if facts.process_mtp_loss_params is None and not facts.inline_gpt_loss:
+        problems.append(
+            f'MTP loss: {MTP_FILE} has no process_mtp_loss and {GPT_FILE} has no inline MTP loss '
+            f'branch `if {INLINE_CONDITION}:` in GPTModel._postprocess'
+        )
+    if facts.process_mtp_loss_params is not None:
+        problems.append(checks['process_mtp_loss_problem'](
+            facts.process_mtp_loss_params, tv_loss_params(), tv_loss_required_params()
+        ))
+    if not facts.roll_tensor_params:
+        problems.append(f'{MTP_FILE} has no roll_tensor')
+    else:
+        problems.append(checks['roll_tensor_problem'](facts.roll_tensor_params))
+    if not facts.tracker_api:
+        problems.append(checks['tracker_problem']({}))
+    else:
+        problems.append(checks['tracker_problem']({facts.tracker_api[0]: facts.tracker_api[1:]}))
+    return [p for p in problems if p]
 
 
 def _inline_if(text: str) -> Optional[ast.If]:
@@ -497,10 +670,11 @@ def edit_config(text: str) -> str:
 
     cls = _find_class(tree, 'TransformerConfig')
     body = cls.body
+    names = field_names()
     last_mtp = None
     for i, node in enumerate(body):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            if node.target.id in ('mtp_loss_type', 'mtp_tv_chunk', 'mtp_log_acceptance'):
+            if node.target.id in names:
                 raise PatchError(f'{CONFIG_FILE} already has {node.target.id}: already patched?')
             if node.target.id.startswith('mtp_'):
                 nxt = body[i + 1] if i + 1 < len(body) else None
@@ -601,28 +775,55 @@ def new_file_diff(path: str, text: str) -> str:
     )
 
 
-def render_patch(target: Target, files: Dict[str, str]) -> str:
-    facts = derive_facts(files)
-    if facts != target.facts:
-        raise PatchError(
-            f'{target.name}: the tree differs from what TARGETS records:\n  recorded {target.facts}'
-            f'\n  found    {facts}\nUpdate TARGETS (and review the rendered edits) if intended.'
-        )
-    edits = megatron_edits(files)
+def render_header(target: Target) -> str:
+    """The text before the first diff (a function of the target and the package's fields)."""
+    names = field_names()
+    listed = textwrap.wrap(
+        f'Adds {TARGET_PACKAGE}/ and the TransformerConfig fields {", ".join(names)} (flags '
+        + ', '.join('--' + n.replace('_', '-') for n in names) + ').',
+        width=100, break_long_words=False, break_on_hyphens=False,
+    )
     header = [
         f'megatron-mtp-tv patch for {target.description}.',
         '',
         'Generated by tools/make_patches.py from megatron/mtp_tv; do not edit by hand.',
         'Apply at the root of the tree:  git apply <this file>',
-        f'Adds {TARGET_PACKAGE}/ and the TransformerConfig fields mtp_loss_type, mtp_tv_chunk,',
-        'mtp_log_acceptance (flags --mtp-loss-type, --mtp-tv-chunk, --mtp-log-acceptance).',
+        *listed,
     ]
     if target.commit:
-        header.append(f'Generated against radixark/Megatron-LM commit {target.commit}.')
+        header.append(f'Generated against {target.repo} commit {target.commit}.')
     else:
         header.append('Generated against files with sha256:')
-        header += [f'  {files_sha(files[p])}  {p}' for p in TOUCHED]
-    parts = ['\n'.join(header) + '\n\n']
+        header += [f'  {target.file_sha256[p]}  {p}' for p in TOUCHED]
+    return '\n'.join(header) + '\n\n'
+
+
+def check_facts(name: str, facts: Facts) -> None:
+    """Raise :class:`PatchError` naming every fact of a tree the generator does not know."""
+    problems = fact_problems(facts)
+    if problems:
+        raise PatchError(
+            f'{name}: this tree has MTP code the generator does not know, no patch written:\n  '
+            + '\n  '.join(problems)
+            + '\nA patch made anyway could apply and then misbehave. Use a supported tree '
+            '(README, Patches) or teach megatron/mtp_tv (plugin.py lists what it knows).'
+        )
+
+
+def render_patch(target: Target, files: Dict[str, str]) -> str:
+    facts = derive_facts(files)
+    check_facts(target.name, facts)
+    if facts != target.facts:
+        raise PatchError(
+            f'{target.name}: the tree differs from what TARGETS records:\n  recorded {target.facts}'
+            f'\n  found    {facts}\nUpdate TARGETS (and review the rendered edits) if intended.'
+        )
+    if not target.commit:
+        found = {p: files_sha(files[p]) for p in TOUCHED}
+        if found != target.file_sha256:
+            raise PatchError(f'{target.name}: files differ from the pinned sha256: {found}')
+    edits = megatron_edits(files)
+    parts = [render_header(target)]
     for path in TOUCHED:
         parts.append(edits[path].diff(path))
     for rel, text in sorted(shipped_modules().items()):
@@ -719,13 +920,106 @@ def git_dir_of(path: Path) -> Path:
     return Path(res.stdout.strip())
 
 
-def pristine_files(target: Target, megatron_lm: Optional[Path]) -> Optional[Dict[str, str]]:
-    """The target's pristine files, or None if its source is not available here."""
+def has_commit(git_dir: Path, commit: str) -> bool:
+    res = subprocess.run(
+        ['git', f'--git-dir={git_dir}', 'cat-file', '-e', f'{commit}^{{commit}}'],
+        capture_output=True,
+    )
+    return res.returncode == 0
+
+
+def clones(megatron_lm) -> List[Path]:
+    """``--megatron-lm`` / ``MTP_TV_MEGATRON_LM`` as a list of clones (``os.pathsep``-joined)."""
+    if megatron_lm is None:
+        return []
+    if isinstance(megatron_lm, (str, Path)):
+        megatron_lm = [megatron_lm]
+    out = []
+    for item in megatron_lm:
+        out += [Path(p) for p in str(item).split(os.pathsep) if p]
+    return out
+
+
+def pristine_files(target: Target, megatron_lm) -> Optional[Dict[str, str]]:
+    """The target's pristine files, or None if its source is not available here.
+
+    ``megatron_lm``: clones of Megatron-LM (a path, or several; bare or not): the first one
+    that has the target's commit is read.
+    """
     if target.commit is None:
         return files_0192()
-    if megatron_lm is None:
-        return None
-    return files_from_git(git_dir_of(megatron_lm), target.commit, TOUCHED)
+    for clone in clones(megatron_lm):
+        git_dir = git_dir_of(clone)
+        if has_commit(git_dir, target.commit):
+            return files_from_git(git_dir, target.commit, TOUCHED)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# A patch for any checkout (--tree)
+# ----------------------------------------------------------------------------------------------
+
+
+def tree_files(tree: Path) -> Tuple[Dict[str, str], Optional[str]]:
+    """The touched files of ``tree`` and its HEAD commit (None: not a git checkout).
+
+    In a git checkout the files are read from HEAD (the patch is for that commit); otherwise
+    (an unpacked or installed megatron-core) from disk.
+    """
+    res = subprocess.run(['git', '-C', str(tree), 'rev-parse', '--show-toplevel', 'HEAD'],
+                         capture_output=True, text=True)
+    lines = res.stdout.split()
+    if res.returncode == 0 and len(lines) == 2 and Path(lines[0]).resolve() == tree.resolve():
+        commit = lines[1]
+        return files_from_git(git_dir_of(tree), commit, TOUCHED), commit
+    missing = [p for p in TOUCHED if not (tree / p).is_file()]
+    if missing:
+        raise PatchError(f'{tree}: not the root of a Megatron tree (no {", ".join(missing)})')
+    return {p: (tree / p).read_text() for p in TOUCHED}, None
+
+
+def tree_target(tree: Path, files: Dict[str, str], commit: Optional[str], output: Path) -> Target:
+    """A :class:`Target` for a checkout, its facts derived from the tree itself."""
+    facts = derive_facts(files)
+    check_facts(str(tree), facts)
+    if commit:
+        return Target(
+            name=f'{tree.name}-{commit[:9]}', description=f'the checkout {tree} at {commit[:9]}',
+            facts=facts, commit=commit, repo=f'the checkout {tree}', patch_file=output,
+        )
+    return Target(
+        name=tree.name, description=f'the tree {tree}', facts=facts,
+        file_sha256={p: files_sha(files[p]) for p in TOUCHED}, patch_file=output,
+    )
+
+
+def patch_tree(tree: Path, output: Optional[Path] = None) -> Path:
+    """Write a patch for the checkout ``tree`` (its HEAD) and check it with ``git apply --check``.
+
+    Raises :class:`PatchError` naming the fact the generator does not know, or why the patch
+    does not apply; nothing is left behind then.
+    """
+    tree = tree.expanduser().resolve()
+    if not tree.is_dir():
+        raise PatchError(f'{tree}: no such directory')
+    files, commit = tree_files(tree)
+    if output is None:
+        output = Path.cwd() / f'megatron-mtp-tv-{commit[:9] if commit else tree.name}.patch'
+    target = tree_target(tree, files, commit, output.resolve())
+    text = render_patch(target, files)
+    output = target.patch_path
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(text)
+    res = subprocess.run(['git', 'apply', '--check', str(output)], cwd=tree,
+                         capture_output=True, text=True)
+    if res.returncode:
+        output.unlink()
+        raise PatchError(
+            f'{tree}: the patch for {"commit " + commit[:9] if commit else "this tree"} does not '
+            f'apply to the files there (local changes, or already patched?):\n'
+            f'{res.stderr.strip()}'
+        )
+    return output
 
 
 # ----------------------------------------------------------------------------------------------
@@ -766,7 +1060,10 @@ def parse_patch(text: str) -> Dict[str, FileDiff]:
 
 def check_offline(target: Target, text: str) -> List[str]:
     """Problems of a committed patch that can be found without the target tree."""
-    problems = []
+    problems = [f'recorded facts: {p}' for p in fact_problems(target.facts)]
+    if not text.startswith(render_header(target)):
+        problems.append('the header (text before the first diff) differs from what the generator '
+                        'renders now')
     files = parse_patch(text)
     shipped = {f'{TARGET_PACKAGE}/{rel}': src for rel, src in shipped_modules().items()}
     in_patch = {p for p, d in files.items() if p.startswith(TARGET_PACKAGE + '/')}
@@ -800,11 +1097,11 @@ def regenerate_offline(target: Target, text: str) -> str:
     the edits no longer line up with the committed hunks, or what an edit removes changed (both
     need the tree: ``--megatron-lm``).
     """
-    preamble, _, rest = text.partition('diff --git ')
+    _, _, rest = text.partition('diff --git ')
     sections = ['diff --git ' + part for part in rest.split('\ndiff --git ')]
     sections = [sec if sec.endswith('\n') else sec + '\n' for sec in sections]
     edits = expected_edits(target.facts)
-    out = [preamble]
+    out = [render_header(target)]
     for sec in sections:
         path = sec.split('\n', 1)[0].split(' b/', 1)[1]
         if path.startswith(TARGET_PACKAGE + '/'):
@@ -876,12 +1173,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--check', action='store_true',
                         help='do not write; exit 1 if a committed patch is stale')
-    parser.add_argument('--megatron-lm', type=Path, default=os.environ.get('MTP_TV_MEGATRON_LM'),
-                        help='a clone of radixark/Megatron-LM (bare or not) holding the pinned '
-                        'commits; without it the fork patches are only checked offline')
+    parser.add_argument('--megatron-lm', type=Path, action='append',
+                        help='a clone of Megatron-LM (bare or not: radixark/Megatron-LM, '
+                        'NVIDIA/Megatron-LM) holding the pinned commits; repeat for several '
+                        '(default: $MTP_TV_MEGATRON_LM, os.pathsep-separated); without one the '
+                        'git-target patches are only checked offline')
     parser.add_argument('--target', action='append', choices=sorted(TARGETS),
                         help='only these targets (default: all)')
+    parser.add_argument('--tree', type=Path,
+                        help='write a patch for this checkout (its HEAD; or an unpacked '
+                        'megatron-core) instead, facts derived from the tree, checked with '
+                        'git apply --check')
+    parser.add_argument('-o', '--output', type=Path,
+                        help='with --tree: the patch file (default: ./megatron-mtp-tv-<commit>.patch)')
     args = parser.parse_args(argv)
+    if args.tree is not None:
+        try:
+            path = patch_tree(args.tree, args.output)
+        except PatchError as exc:
+            print(f'make_patches.py --tree: {exc}', file=sys.stderr)
+            return 2
+        print(f'wrote {path} (git apply --check passed in {args.tree}); apply it with:\n'
+              f'  git -C {args.tree} apply {path}')
+        return 0
+    if args.megatron_lm is None:
+        args.megatron_lm = os.environ.get('MTP_TV_MEGATRON_LM')
 
     stale = False
     for name in args.target or list(TARGETS):
@@ -890,7 +1206,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         committed = target.patch_path.read_text() if target.patch_path.exists() else None
         if files is None:
             if committed is None:
-                print(f'{name}: no patch and no tree to generate it from (--megatron-lm)')
+                print(f'{name}: no patch and no tree to generate it from (--megatron-lm with a '
+                      f'clone of {target.repo})')
                 stale = True
                 continue
             problems = check_offline(target, committed)

@@ -40,6 +40,41 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _no_te_shims() -> list:
+    """Work around upstream code that assumes Transformer Engine, in this process only.
+
+    NVIDIA main (d98e8a64d) builds every MTP layer through ``is_inference_column_parallel_linear``,
+    whose ``isinstance`` check gets the ``MagicMock`` placeholders that stand in for the
+    inference layer classes without Transformer Engine and raises ``TypeError``: the check is
+    narrowed to the classes that exist (without TE no layer can be one of them). Applied alike
+    to the patched and the pristine tree; returns the names it replaced.
+    """
+    applied = []
+    try:
+        from megatron.core.tensor_parallel import inference_layers
+    except ImportError:
+        return applied
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    classes = tuple(
+        getattr(inference_layers, n, None)
+        for n in ('InferenceColumnParallelLinear', 'InferenceLayerNormColumnParallelLinear')
+    )
+    if hasattr(inference_layers, 'is_inference_column_parallel_linear') and not all(
+        isinstance(c, type) for c in classes
+    ):
+        real = tuple(c for c in classes if isinstance(c, type))
+
+        def is_inference_column_parallel_linear(module) -> bool:
+            return bool(real) and isinstance(module, real)
+
+        for module in (inference_layers, mtp):
+            if hasattr(module, 'is_inference_column_parallel_linear'):
+                module.is_inference_column_parallel_linear = is_inference_column_parallel_linear
+                applied.append(f'{module.__name__}.is_inference_column_parallel_linear')
+    return applied
+
+
 def _child(tree: Path) -> dict:
     sys.path.insert(0, str(REPO / 'tests'))
     import patch_mode
@@ -55,8 +90,12 @@ def _child(tree: Path) -> dict:
     results['tree'] = str(tree)
     results['mtp_tv_module'] = megatron.mtp_tv.__file__
     assert Path(megatron.mtp_tv.__file__).resolve().is_relative_to(tree.resolve())
+    import dataclasses
+
     fields = TransformerConfig.__dataclass_fields__
-    assert all(f in fields for f in ('mtp_loss_type', 'mtp_tv_chunk', 'mtp_log_acceptance'))
+    names = [f.name for f in dataclasses.fields(megatron.mtp_tv.config.MTPLossConfig)]
+    assert names and all(f in fields for f in names), (names, 'not all native')
+    results['native_fields'] = names
     try:
         TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, mtp_loss_type='tv')
         raise AssertionError('mtp_loss_type=tv without mtp_num_layers was accepted')
@@ -64,6 +103,7 @@ def _child(tree: Path) -> dict:
         pass
     results['config_fields'] = 'ok'
 
+    results['no_te_shims'] = _no_te_shims() or 'none needed'
     results['packaging'] = _check_packaging(tree)
     results['cli'] = _check_cli()
     results['model'] = _check_model()
@@ -139,7 +179,8 @@ def _check_model():
     labels = torch.roll(tokens, -1, dims=1)
     position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
     runs = {}
-    for loss_type, scale in (('ce', 0.1), ('tv', 0.1), ('e2e_tv', 0.1), ('tv', 0.0)):
+    cases = (('ce', 0.1), ('cross_entropy', 0.1), ('tv', 0.1), ('e2e_tv', 0.1), ('tv', 0.0))
+    for loss_type, scale in cases:
         with single_process():
             model = build_gpt_with_mtp(
                 vocab_size=vocab, seq_length=s, mtp_num_layers=2, mtp_loss_type=loss_type,
@@ -155,7 +196,7 @@ def _check_model():
             loss = model(**kwargs)
             loss.mean().backward()
             tracker = MTPLossLoggingHelper.tracker
-            tv_ran = 'tv_alpha_sum' in tracker
+            tv_ran = any(str(k).startswith('tv_') for k in tracker)  # the package's own keys
             logged = {}
 
             class Writer:
@@ -170,11 +211,18 @@ def _check_model():
             runs[(loss_type, scale)] = dict(
                 main_loss=float(loss.mean()), tv_ran=tv_ran, mtp_grad=mtp_grad,
                 out_grad=model.output_layer.weight.grad.clone(), logged=logged,
+                grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
             )
     ce, tv, e2e, tv0 = (runs[k] for k in (('ce', 0.1), ('tv', 0.1), ('e2e_tv', 0.1), ('tv', 0.0)))
     assert not ce['tv_ran'] and tv['tv_ran'] and e2e['tv_ran'], 'TV path did not run as expected'
     assert 'mtp_1_tv_acceptance' in tv['logged'] and 'mtp_expected_accepted_drafts' in e2e['logged']
     assert ce['main_loss'] == tv['main_loss'] == e2e['main_loss']
+    # upstream's name of the CE loss takes the same code path: bit-identical
+    xe = runs[('cross_entropy', 0.1)]
+    assert not xe['tv_ran'] and xe['main_loss'] == ce['main_loss'] and xe['logged'] == ce['logged']
+    assert xe['grads'].keys() == ce['grads'].keys() and all(
+        torch.equal(xe['grads'][n], ce['grads'][n]) for n in ce['grads']
+    ), "mtp_loss_type='cross_entropy' differs from 'ce'"
     assert tv['mtp_grad'] > 0 and e2e['mtp_grad'] > 0 and ce['mtp_grad'] > 0
     detached = torch.equal(tv['out_grad'], tv0['out_grad'])
     if inline:
@@ -184,6 +232,7 @@ def _check_model():
         tv_acceptance={k: v for k, v in tv['logged'].items() if 'tv_acceptance' in k},
         e2e_expected_accepted_drafts=e2e['logged']['mtp_expected_accepted_drafts'],
         mtp_loss_leaves_output_weight_untouched=detached,
+        cross_entropy_bit_identical_to_ce=True,
     )
     return out
 
@@ -201,6 +250,7 @@ def _ce_fingerprint(patched: bool) -> dict:
         patch_mode.activate()
     else:  # the pristine tree first, this checkout's test support after it
         sys.path.insert(1, str(REPO))
+    _no_te_shims()
     from megatron.core.models.gpt import gpt_model
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.mtp_tv.testing.cpu import causal_attention_mask
