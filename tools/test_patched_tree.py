@@ -5,8 +5,8 @@
     python tools/test_patched_tree.py -- tests/test_model_tv.py -x   # pytest arguments after --
     python tools/test_patched_tree.py --keep /tmp/t   # keep the patched tree there
 
-Steps: take the registry wheel of megatron-core 0.19.2 (cached in ~/.cache/megatron-mtp-tv or
-$MTP_TV_CACHE, downloaded with pip, sha256-pinned), unpack it, ``git apply`` the patch at its root
+Steps: take the registry wheel of megatron-core 0.19.2 (cached in $MTP_TV_CACHE or else
+~/.cache/megatron-mtp-tv, created if missing; downloaded with pip, sha256-pinned), unpack it, ``git apply`` the patch at its root
 (the result is cached next to the wheel, keyed by the sha256 of wheel and patch, with its .pyc
 files; --fresh builds a throw-away one), and run pytest with ``MTP_TV_MODE=patch`` and the tree first
 on ``PYTHONPATH``: ``tests/patch_mode.py`` then makes every ``megatron.mtp_tv`` import resolve to the
