@@ -168,19 +168,19 @@ def process_mtp_tv_loss(
         segments=target_segments(target, depth, cp_group, cu_seqlens),
         labels=torch.stack(depth_labels).transpose(1, 2) if is_training else None,
         fused=os.environ.get(FUSED_ENV, '1') != '0',
-    )
         temperature=getattr(config, 'mtp_tv_temperature', 1.0),
         lk_eta=getattr(config, 'mtp_lk_eta', 3.0),
         metrics=is_training,
+    )
 
     if is_training:
         save_acceptance_to_tracker(
             alpha=result.alpha,
             masks=masks.transpose(1, 2),
             greedy_correct=result.greedy_correct,
-            avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
             greedy_agreement=result.greedy_agreement,
             per_depth_loss=result.per_depth,
+            avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
             log_loss=not metrics_only,
         )
     if metrics_only:
