@@ -90,6 +90,13 @@ def test_check_names_an_unknown_roll_tensor_form(monkeypatch, attribute, change,
     assert expected in str(err.value), str(err.value)
 
 
+def test_check_names_a_missing_process_mtp_loss(monkeypatch):
+    """radixark miles-main at 36ceb4fc0: the MTP loss is inline, nothing to wrap."""
+    monkeypatch.delattr(_mtp(), 'process_mtp_loss')
+    with pytest.raises(plugin.UnsupportedMegatronError, match='no process_mtp_loss .*patch'):
+        plugin.check_megatron()
+
+
 def test_check_names_an_unknown_tracker_api(monkeypatch):
     helper = _mtp().MTPLossLoggingHelper
 

@@ -985,7 +985,7 @@ def tree_target(tree: Path, files: Dict[str, str], commit: Optional[str], output
     if commit:
         return Target(
             name=f'{tree.name}-{commit[:9]}', description=f'the checkout {tree} at {commit[:9]}',
-            facts=facts, commit=commit, repo=f'the checkout {tree}', patch_file=output,
+            facts=facts, commit=commit, repo=str(tree), patch_file=output,
         )
     return Target(
         name=tree.name, description=f'the tree {tree}', facts=facts,

@@ -9,7 +9,8 @@ Everything runs in a child process with only the tree on ``PYTHONPATH`` for Mega
 is not installed; ``megatron.mtp_tv`` resolves to the tree's ``megatron.core.transformer.mtp_tv``,
 see tests/patch_mode.py; only the CPU test support comes from this checkout):
 
-1. ``TransformerConfig`` has the fields natively and validates them, and the tree's
+1. ``TransformerConfig`` has every field of the tree's ``MTPLossConfig`` natively and validates
+   them, and the tree's
    ``pyproject.toml`` package list includes ``megatron.core.transformer.mtp_tv`` (so a pip install
    of the patched tree carries it);
 2. the tree's own ``parse_args``, driven as miles drives it (``extra_args_provider`` resetting
@@ -22,7 +23,12 @@ see tests/patch_mode.py; only the CPU test support comes from this checkout):
    ``mtp_kwargs={'mtp_labels': tokens}`` on radixark miles-main): the TV path runs (its acceptance
    metrics appear in Megatron's tracker and are logged by ``track_mtp_metrics``), the MTP layers
    get gradients, the main loss is the same for all three, and on trees whose MTP loss detaches
-   the output layer (miles-main) the TV loss leaves the output weight's gradient unchanged.
+   the output layer (miles-main) the TV loss leaves the output weight's gradient unchanged;
+   ``'cross_entropy'`` (upstream's name) gives bit-identical losses, logged values and gradients
+   to ``'ce'``.
+
+Upstream code that assumes Transformer Engine is worked around in these processes only, alike
+on the patched and the pristine tree (:func:`_no_te_shims`; reported as ``no_te_shims``).
 
 With ``--pristine <unpatched checkout of the same commit>``, also: one ``'ce'`` training step gives
 bit-identical losses and gradients on the patched and the pristine tree.

@@ -165,8 +165,12 @@ def check_megatron() -> None:
     tv_required = [n for n, p in tv.items() if p.default is inspect.Parameter.empty]
     helper = mtp.MTPLossLoggingHelper
     problems = [
-        process_mtp_loss_problem(_params(mtp.process_mtp_loss), list(tv), tv_required),
-        roll_tensor_problem(_params(mtp.roll_tensor)),
+        process_mtp_loss_problem(_params(mtp.process_mtp_loss), list(tv), tv_required)
+        if hasattr(mtp, 'process_mtp_loss')
+        else 'no process_mtp_loss (a tree whose MTP loss is inline in GPTModel._postprocess, '
+        'like radixark miles-main, needs a patch from patches/)',
+        roll_tensor_problem(_params(mtp.roll_tensor)) if hasattr(mtp, 'roll_tensor')
+        else 'no roll_tensor',
         tracker_problem({
             name: _params(getattr(helper, name)) for name in TRACKER_APIS if hasattr(helper, name)
         }),
