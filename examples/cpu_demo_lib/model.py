@@ -8,6 +8,7 @@ phase      model / trainable             mtp_loss_type  detach heads  mtp_loss_s
 pretrain   backbone + heads, all         'ce'           no (joint)    ``--pretrain-mtp-scale``
 drift      backbone alone (no MTP)       --             --            --
 heal       grafted: heads only           the arm        yes           1
+cold       fresh heads: heads only       the arm        yes           1
 =========  ============================  =============  ============  =======================
 
 The drift phase fine-tunes a GPTModel built without MTP heads from the pretrained backbone, as
@@ -16,7 +17,9 @@ drifted backbone. "Backbone" is the embedding, the decoder (with its final norm)
 layer. Embedding and output weights are tied, as in the models MTP heads are grafted onto, so in
 the heal phase the heads project through the frozen, drifted shared output weight
 (``mtp_detach_heads`` also detaches it inside the MTP loss): each head owns its MTP layer (norms,
-``eh_proj``, transformer layer, final norm) and nothing else.
+``eh_proj``, transformer layer, final norm) and nothing else. The cold phase is the heal phase
+on a model whose heads were re-initialised (:func:`fresh_heads`) instead of grafted: MTP heads
+added to an existing model.
 """
 
 from dataclasses import dataclass
@@ -37,8 +40,13 @@ class ModelSpec:
     seed: int
 
 
-def phase_overrides(phase: str, loss_type: str, pretrain_mtp_scale: float) -> Dict:
-    """``TransformerConfig`` fields (added by the plugin or Megatron's own) for a phase."""
+def phase_overrides(phase: str, loss_type: str, pretrain_mtp_scale: float,
+                    temperature: float = 1.0, lk_eta: Optional[float] = None) -> Dict:
+    """``TransformerConfig`` fields (added by the plugin or Megatron's own) for a phase.
+
+    ``temperature`` (``mtp_tv_temperature``) and ``lk_eta`` (``mtp_lk_eta``, None: the plugin's
+    default) apply to the 'heal' and 'cold' phases.
+    """
     if phase == 'pretrain':
         # Joint CE training as MTP models are pretrained: the MTP loss also shapes the backbone.
         return dict(mtp_loss_type='ce', mtp_detach_heads=False,
@@ -47,12 +55,17 @@ def phase_overrides(phase: str, loss_type: str, pretrain_mtp_scale: float) -> Di
         # Fine-tuning the backbone alone, as SFT/RL of a released model does: no MTP block at
         # all, so nothing of the heads can change and no compute goes into them.
         return dict(mtp_num_layers=None)
-    if phase == 'heal':
+    if phase in ('heal', 'cold'):
         # Only the heads learn, from the frozen drifted backbone. Scale 1: with Adam the scale
         # hardly matters (the heads receive no other gradient), and 1 keeps the logged loss plain.
         # mtp_log_acceptance makes the plugin log the training-time alpha for 'ce' as well.
-        return dict(mtp_loss_type=loss_type, mtp_detach_heads=True, mtp_loss_scaling_factor=1.0,
-                    mtp_log_acceptance=True)
+        out = dict(mtp_loss_type=loss_type, mtp_detach_heads=True, mtp_loss_scaling_factor=1.0,
+                   mtp_log_acceptance=True)
+        if temperature != 1.0:  # only then: the default config stays what it was before
+            out['mtp_tv_temperature'] = float(temperature)
+        if lk_eta is not None:
+            out['mtp_lk_eta'] = float(lk_eta)
+        return out
     raise ValueError(f'unknown phase {phase!r}')
 
 
@@ -87,6 +100,18 @@ def graft(backbone_state: Dict, heads_state: Dict) -> Dict:
     return {**backbone, **heads}
 
 
+def fresh_heads(backbone_state: Dict, spec: ModelSpec, init_seed: int) -> Dict:
+    """A state dict with the backbone of ``backbone_state`` and newly initialised MTP heads.
+
+    The heads are those of a model built with ``init_seed`` (Megatron's own initialisation);
+    every cold arm starts from the same ones.
+    """
+    from dataclasses import replace
+
+    fresh = build_model(replace(spec, seed=init_seed), phase_overrides('cold', 'ce', 1.0))
+    return graft(backbone_state, fresh.state_dict())
+
+
 def backbone_and_heads(model):
     """Split the parameters: (backbone params, MTP head params); every param in exactly one."""
     heads = list(model.mtp.parameters()) if getattr(model, 'mtp', None) is not None else []
@@ -116,8 +141,12 @@ def mtp_tracker_losses() -> Optional[torch.Tensor]:
     return out
 
 
-def train_step(model, optimizer, tokens: torch.Tensor, labels: torch.Tensor, clip: float = 1.0):
+def train_step(model, optimizer, tokens: torch.Tensor, labels: torch.Tensor, clip: float = 1.0,
+               stats: Optional[Dict] = None):
     """One step through Megatron's loss path; returns the main LM loss (float).
+
+    ``stats``, if given, receives ``grad_norm``: the L2 norm of the trainable parameters'
+    gradient before clipping to ``clip``.
 
     ``model(...)`` returns the main per-token loss ``[b, s]``; ``process_mtp_loss`` (the plugin's
     dispatcher) attached the MTP loss to the graph through ``MTPLossAutoScaler``, so backward of
@@ -132,7 +161,9 @@ def train_step(model, optimizer, tokens: torch.Tensor, labels: torch.Tensor, cli
     optimizer.zero_grad(set_to_none=True)
     main.backward()
     params = [p for g in optimizer.param_groups for p in g['params'] if p.grad is not None]
-    torch.nn.utils.clip_grad_norm_(params, clip)
+    norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    if stats is not None:
+        stats['grad_norm'] = float(norm)
     optimizer.step()
     return float(main.detach())
 
@@ -178,6 +209,46 @@ def hidden_states(model, tokens: torch.Tensor, num_depths: int) -> List[torch.Te
         )
         out.append(hidden)
     return out
+
+
+@torch.no_grad()
+def main_states(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The main decoder's hidden states ``[s, b, h]`` (after its final norm), no loss."""
+    from megatron.mtp_tv.testing.cpu import causal_attention_mask
+
+    model.eval()
+    batch, seq = tokens.shape
+    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    embedded = model.embedding(input_ids=tokens, position_ids=position_ids)
+    return model.decoder(hidden_states=embedded, attention_mask=causal_attention_mask(seq))
+
+
+@torch.no_grad()
+def mtp_depth(model, depth: int, previous: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """One MTP depth alone: its hidden states ``[s, b, h]`` from the previous depth's.
+
+    ``previous`` is :func:`main_states` for depth 0, else depth ``depth - 1``'s output; ``tokens``
+    the whole ``[b, s]`` sequence. The layer gets the token and position ids rolled ``depth``
+    times with Megatron's ``roll_tensor`` (it rolls once more itself), as
+    ``MultiTokenPredictionBlock`` passes them, so chaining this over depths gives
+    :func:`hidden_states`. Depth k at position t reads tokens up to ``t + k + 1`` only: speculative
+    decoding calls it once per drafted token on a sequence whose later tokens are not drawn yet.
+    """
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+    from megatron.mtp_tv.testing.cpu import causal_attention_mask
+
+    model.eval()
+    batch, seq = tokens.shape
+    input_ids = tokens
+    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    for _ in range(depth):
+        input_ids, _ = roll_tensor(input_ids, shifts=-1, dims=-1)
+        position_ids, _ = roll_tensor(position_ids, shifts=-1, dims=-1)
+    hidden, *_ = model.mtp.layers[depth](
+        input_ids=input_ids, position_ids=position_ids, hidden_states=previous,
+        attention_mask=causal_attention_mask(seq), embedding=model.embedding,
+    )
+    return hidden
 
 
 @torch.no_grad()
