@@ -54,18 +54,16 @@ def depth_terms(
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         seq_end[lo:hi] = hi
     uniform = torch.full_like(log_p_all[0, 0], -math.log(log_p_all.shape[-1]))
+    positions = torch.arange(s)
     alphas, kls = [], []
     for k, hidden in enumerate(depth_hidden):
         log_q = torch.log_softmax(fn((hidden @ weight.t()).double()) / temperature, dim=-1)
-        alpha_rows, kl_rows = [], []
-        for t in range(s):
-            target = t + k + 1
-            log_p = log_p_all[target] if target < seq_end[t] else uniform.expand(b, -1)
-            p, q = log_p.exp(), log_q[t].exp()
-            alpha_rows.append(tv_min(p, q).sum(-1))
-            kl_rows.append((p * (log_p - log_q[t])).sum(-1))
-        alphas.append(torch.stack(alpha_rows))
-        kls.append(torch.stack(kl_rows))
+        target = positions + k + 1
+        inside = (target < seq_end).view(s, 1, 1)
+        log_p = torch.where(inside, log_p_all[target.clamp(max=s - 1)], uniform)
+        p, q = log_p.exp(), log_q.exp()
+        alphas.append(tv_min(p, q).sum(-1))
+        kls.append((p * (log_p - log_q)).sum(-1))
     return torch.stack(alphas), torch.stack(kls)
 
 

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from megatron.mtp_tv.linear_tv import linear_tv_loss
+from megatron.mtp_tv.linear_tv import auto_chunk_tokens, linear_tv_loss
+from megatron.mtp_tv.losses import EndToEndTVLoss
 from megatron.mtp_tv.row_ops import TorchRowOps
-from tests.reference import depth_alphas, e2e_objective, token_weights, tv_objective
+from tests.reference import depth_alphas, depth_terms, objective, token_weights
 
 S, B, H, V = 7, 2, 8, 13
 
@@ -21,10 +22,9 @@ def _inputs(G, seed=0, dtype=torch.float64):
     return draft, target, weight, masks
 
 
-def _reference(loss_type, draft, target, weight, masks, scale=0.3, logits_fn=None):
-    alpha = depth_alphas(target, list(draft), weight, logits_fn=logits_fn)
-    objective = tv_objective if loss_type == 'tv' else e2e_objective
-    return objective(alpha, masks.double(), scale), alpha
+def _reference(loss_type, draft, target, weight, masks, scale=0.3, logits_fn=None, temperature=1.0, eta=3.0):
+    alpha, kl = depth_terms(target, list(draft), weight, logits_fn=logits_fn, temperature=temperature)
+    return objective(loss_type, alpha, kl, masks.double(), scale, eta), alpha
 
 
 @pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv'])
@@ -49,7 +49,47 @@ def test_matches_reference(loss_type, G, chunk, fused):
     assert target.grad is None  # the target is detached
 
 
-@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv'])
+@pytest.mark.parametrize(
+    'loss_type,temperature,eta',
+    [('kl', 1.0, 3.0), ('lk', 1.0, 3.0), ('lk', 1.0, 0.0), ('lk', 1.0, 50.0), ('lk', 0.6, 1.5),
+     ('tv', 0.7, 3.0), ('e2e_tv', 1.7, 3.0), ('kl', 0.5, 3.0)],
+)
+@pytest.mark.parametrize('G', [1, 3])
+@pytest.mark.parametrize('chunk', [0, 1, 5, 100])
+@pytest.mark.parametrize('fused', [True, False])
+def test_kl_lk_and_temperature_match_reference(loss_type, temperature, eta, G, chunk, fused):
+    draft, target, weight, masks = _inputs(G)
+    out = linear_tv_loss(
+        draft, target, weight, token_weights(loss_type, masks), loss_type=loss_type,
+        chunk_size=chunk, fused=fused, temperature=temperature, lk_eta=eta,
+    )
+    out.loss.backward()
+    got = (draft.grad.clone(), weight.grad.clone())
+    draft.grad = weight.grad = None
+    ref, ref_alpha = _reference(loss_type, draft, target, weight, masks, temperature=temperature, eta=eta)
+    ref.backward()
+    torch.testing.assert_close(out.loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.alpha.double(), ref_alpha.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[0], draft.grad, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(got[1], weight.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_lk_with_eta_zero_is_kl_and_large_eta_approaches_tv():
+    draft, target, weight, masks = _inputs(2, dtype=torch.float32)
+    values = {}
+    for name, loss_type, eta in (('kl', 'kl', 3.0), ('lk0', 'lk', 0.0), ('tv', 'tv', 3.0), ('lk_big', 'lk', 1e4)):
+        d, w = draft.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+        out = linear_tv_loss(d, target, w, token_weights(loss_type, masks), loss_type=loss_type, lk_eta=eta)
+        out.loss.backward()
+        values[name] = (out.loss, d.grad, w.grad)
+    for a, b in zip(values['kl'], values['lk0']):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    # exp(-1e4 alpha) vanishes for every alpha of these inputs: only the TV term is left.
+    for a, b in zip(values['tv'], values['lk_big']):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv', 'kl', 'lk'])
 @pytest.mark.parametrize('chunk', [0, 1, 5, 100])
 def test_fused_and_recompute_paths_agree_exactly(loss_type, chunk):
     results = []
@@ -169,3 +209,65 @@ def test_bad_shapes_raise():
         linear_tv_loss(draft, target, weight, masks, loss_type='ce')
     with pytest.raises(ValueError, match='target_hidden'):
         linear_tv_loss(draft, target[:-1], weight, masks, loss_type='tv')
+
+
+def test_greedy_agreement_compares_draft_and_target_argmax():
+    draft, target, weight, masks = _inputs(2)
+    with torch.no_grad():
+        target_argmax = (target @ weight.t()).argmax(-1)  # [s, b]
+        draft_argmax = torch.stack([(d @ weight.t()).argmax(-1) for d in draft])
+    out = linear_tv_loss(draft, target, weight, token_weights('kl', masks), loss_type='kl', metrics=True,
+                         chunk_size=3, temperature=0.5)
+    for k in range(2):
+        expected = draft_argmax[k, : S - k - 1] == target_argmax[k + 1 :]
+        assert torch.equal(out.greedy_agreement[k, : S - k - 1], expected)
+    assert linear_tv_loss(draft, target, weight, token_weights('kl', masks), loss_type='kl').greedy_agreement is None
+
+
+@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv', 'kl', 'lk'])
+@pytest.mark.parametrize('chunk', [0, 4])
+def test_empty_local_sequence_gives_a_zero_loss_that_keeps_the_graph(loss_type, chunk):
+    draft = torch.randn(2, 0, 3, 8, requires_grad=True)
+    weight = torch.randn(13, 8, requires_grad=True)
+    weights = torch.zeros(0, 3) if loss_type == 'e2e_tv' else torch.zeros(2, 0, 3)
+    out = linear_tv_loss(draft, torch.randn(0, 3, 8), weight, weights, loss_type=loss_type, chunk_size=chunk)
+    assert out.loss.item() == 0.0 and out.loss.requires_grad and out.alpha.shape == (2, 0, 3)
+    out.loss.backward()
+    assert draft.grad.shape == draft.shape and not weight.grad.any()
+
+
+def test_e2e_loss_value_does_not_cancel_near_full_acceptance():
+    # mean_j (1 - prod_{i<=j} alpha_i) with alpha = (1, 1 - 2**-24): exactly 2**-25 = 2.98e-8;
+    # 1 - sum_j prod / G rounds to 0 in fp32.
+    below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))  # fp32: 1 - 2**-24
+    alpha = torch.stack([torch.ones(1), below_one.view(1)])
+    terms = EndToEndTVLoss().terms(alpha, None, torch.ones(1))
+    assert terms.loss.item() == 2.0**-25
+
+
+def test_kl_stays_finite_when_the_draft_underflows_and_its_gradient_stays_exact():
+    # The draft puts e^-200 on the target's token: q underflows fp32, KL is ~200 * p there.
+    weight = torch.eye(3) * 100.0
+    target = torch.tensor([[[1.0, 0.0, 0.0]], [[1.0, 0.0, 0.0]]])  # p ~ one-hot(0)
+    draft = torch.tensor([[[[0.0, 2.0, 0.0]], [[0.0, 2.0, 0.0]]]], requires_grad=True)  # q ~ one-hot(1)
+    masks = torch.tensor([[[1.0], [0.0]]])
+    out = linear_tv_loss(draft, target, weight.requires_grad_(), token_weights('kl', masks, 1.0), loss_type='kl')
+    assert torch.isfinite(out.loss) and out.loss.item() > 80.0
+    out.loss.backward()
+    p = torch.softmax(target[1, 0] @ weight.t(), -1)
+    q = torch.softmax(draft[0, 0, 0] @ weight.t(), -1)
+    torch.testing.assert_close(draft.grad[0, 0, 0], (q - p) @ weight)
+
+
+def test_auto_chunk_keeps_logits_within_both_bounds():
+    assert auto_chunk_tokens(4096, 1, 1024) == 512  # the weight-gradient bound: 2 x 512 rows <= h
+    assert auto_chunk_tokens(1024, 1, 1024) == 256  # half of CE's 1 x 1024 saved softmax rows
+    assert auto_chunk_tokens(8192, 3, 4096) == 1024
+    for tokens in (1, 7, 100, 4096, 65536):
+        for depths in (1, 2, 3):
+            for hidden in (64, 1024, 8192):
+                chunk = auto_chunk_tokens(tokens, depths, hidden)
+                assert chunk >= 1
+                if chunk > 1:
+                    assert (depths + 1) * chunk <= hidden
+                    assert 2 * (depths + 1) * chunk <= depths * tokens

@@ -29,7 +29,7 @@ def _batch():
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask
 
 
-def _expected_metrics(depth):
+def _expected_metrics(depth, temperature=1.0):
     model = build_gpt_with_mtp(
         vocab_size=VOCAB, hidden_size=HIDDEN, seq_length=SEQ, mtp_num_layers=depth,
         mtp_loss_scaling_factor=FACTOR,
@@ -37,10 +37,17 @@ def _expected_metrics(depth):
     tokens, labels, mask = _batch()
     with recorded_mtp_hidden() as record:
         forward_loss(model, tokens, labels, mask)
+    weight = model.shared_embedding_or_output_weight()
     _, alpha, masks, _ = mtp_reference_objective(
-        record['hidden'], depth, model.shared_embedding_or_output_weight(), mask, 'tv', FACTOR
+        record['hidden'], depth, weight, mask, 'tv', FACTOR, temperature=temperature
     )
     alpha = alpha.detach()
+    # Greedy verification: depth k's argmax at t against the main model's argmax at t+k+1.
+    with torch.no_grad():
+        argmax = [(h @ weight.t()).argmax(-1) for h in record['hidden'].chunk(1 + depth)]  # [s, b]
+    agree = torch.zeros_like(alpha)
+    for k in range(depth):
+        agree[k, : SEQ - k - 1] = (argmax[k + 1][: SEQ - k - 1] == argmax[0][k + 1 :]).double()
     expected = {
         f'mtp_{k + 1}_tv_acceptance': float((alpha[k] * masks[k]).sum() / masks[k].sum())
         for k in range(depth)
@@ -50,10 +57,15 @@ def _expected_metrics(depth):
     drafts = float((accepted * chains).sum() / chains.sum())
     expected['mtp_expected_accepted_drafts'] = drafts
     expected['mtp_expected_tokens_per_step'] = 1 + drafts
+    for k in range(depth):
+        expected[f'mtp_{k + 1}_greedy_agreement'] = float((agree[k] * masks[k]).sum() / masks[k].sum())
+    expected['mtp_expected_accepted_drafts_greedy'] = float(
+        (agree.cumprod(0).sum(0) * chains).sum() / chains.sum()
+    )
     return expected
 
 
-def _logged_metrics(depth, **config):
+def _logged_metrics(depth, total_loss_dict=None, **config):
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     model = build_gpt_with_mtp(
@@ -64,19 +76,26 @@ def _logged_metrics(depth, **config):
     loss = forward_loss(model, tokens, labels, mask)
     ((loss * mask).sum() / mask.sum()).backward()
     writer = _Writer()
-    MTPLossLoggingHelper.track_mtp_metrics(1.0, 1, writer)
+    MTPLossLoggingHelper.track_mtp_metrics(1.0, 1, writer, total_loss_dict=total_loss_dict)
     return writer.scalars
 
 
-@pytest.mark.parametrize('config', [{'mtp_loss_type': 'tv'}, {'mtp_loss_type': 'e2e_tv'},
-                                    {'mtp_loss_type': 'ce', 'mtp_log_acceptance': True}])
+@pytest.mark.parametrize('config', [
+    {'mtp_loss_type': 'tv'}, {'mtp_loss_type': 'e2e_tv'}, {'mtp_loss_type': 'kl'},
+    {'mtp_loss_type': 'lk', 'mtp_tv_temperature': 0.7},
+    {'mtp_loss_type': 'ce', 'mtp_log_acceptance': True},
+    {'mtp_loss_type': 'ce', 'mtp_log_acceptance': True, 'mtp_tv_temperature': 0.6},
+])
 def test_tracker_metrics_match_reference_alphas(config):
     with single_process():
-        expected = _expected_metrics(3)
+        expected = _expected_metrics(3, config.get('mtp_tv_temperature', 1.0))
     with single_process():
-        logged = _logged_metrics(3, **config)
+        totals = {}
+        logged = _logged_metrics(3, total_loss_dict=totals, **config)
     for name, value in expected.items():
         assert logged[name] == pytest.approx(value, rel=1e-5), name
+        # Megatron's console iteration line prints every total_loss_dict entry.
+        assert float(totals[name]) == pytest.approx(value, rel=1e-5), name
     assert {'mtp_1 loss', 'mtp_1_acceptance_rate'} <= logged.keys()  # Megatron's own, kept
 
 

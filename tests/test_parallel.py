@@ -1,4 +1,4 @@
-"""The TV losses under tensor, sequence and context parallelism and packed sequences.
+"""The draft losses under tensor, sequence and context parallelism and packed sequences.
 
 Spawned gloo workers on CPU. Whole-model runs compare TP=2 against TP=1 with the same weights;
 ``process_mtp_loss``-level runs compare context-parallel ranks and packed rows against the
@@ -13,7 +13,7 @@ import torch
 
 from megatron.mtp_tv.mtp_loss import FUSED_ENV
 from megatron.mtp_tv.testing.distributed import spawn
-from tests.reference import depth_alphas, e2e_objective, shifted_mask, tv_objective
+from tests.reference import depth_terms, objective, per_token_values, shifted_mask
 
 VOCAB, HIDDEN, SEQ, BATCH, FACTOR = 64, 32, 12, 2, 0.3
 
@@ -63,6 +63,8 @@ def _model_worker(rank, loss_type, depth, tie, sequence_parallel):
         ('tv', 2, True, True),
         ('e2e_tv', 3, False, False),
         ('e2e_tv', 3, True, True),
+        ('kl', 2, True, True),
+        ('lk', 2, False, False),
     ],
 )
 def test_whole_model_tp2_matches_tp1(loss_type, depth, tie, sequence_parallel):
@@ -91,7 +93,7 @@ def _loss_inputs(depth, s, b=1, seed=1):
     return hidden, weight, labels, mask
 
 
-def _loss_worker(rank, loss_type, depth, s, seq_lengths, pad):
+def _loss_worker(rank, loss_type, depth, s, seq_lengths, pad, temperature=1.0):
     """Run the installed process_mtp_loss on this CP rank's zigzag slice; return grads."""
     import megatron.mtp_tv
     from megatron.core import parallel_state
@@ -115,7 +117,7 @@ def _loss_worker(rank, loss_type, depth, s, seq_lengths, pad):
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, mtp_num_layers=depth,
         mtp_loss_type=loss_type, mtp_tv_chunk=3, mtp_loss_scaling_factor=FACTOR,
-        use_cpu_initialization=True, context_parallel_size=cp,
+        use_cpu_initialization=True, context_parallel_size=cp, mtp_tv_temperature=temperature,
     )
     layer = ColumnParallelLinear(
         HIDDEN, VOCAB, config=config, init_method=torch.nn.init.zeros_, bias=False,
@@ -140,41 +142,47 @@ def _loss_worker(rank, loss_type, depth, s, seq_lengths, pad):
     return (index, *runs[0], runs[1])
 
 
-def _reference_for_rank(loss_type, depth, s, index, seq_bounds):
+def _reference_for_rank(loss_type, depth, s, index, seq_bounds, temperature=1.0):
     """Megatron's CP semantics: each rank normalises by its own token count."""
     hidden, weight, labels, mask = _loss_inputs(depth, s)
     hidden = hidden.double().requires_grad_()
     weight = weight.double().requires_grad_()
     chunks = hidden.chunk(1 + depth)
-    alpha = depth_alphas(chunks[0].detach(), list(chunks[1:]), weight, seq_bounds=seq_bounds)
+    alpha, kl = depth_terms(
+        chunks[0].detach(), list(chunks[1:]), weight, seq_bounds=seq_bounds, temperature=temperature
+    )
     masks = torch.stack([shifted_mask(mask, k + 1, seq_bounds).t() for k in range(depth)]).double()
-    local_alpha, local_masks = alpha[:, index], masks[:, index]
-    objective = tv_objective if loss_type == 'tv' else e2e_objective
-    objective(local_alpha, local_masks, FACTOR).backward()
+    local_alpha, local_kl, local_masks = alpha[:, index], kl[:, index], masks[:, index]
+    objective(loss_type, local_alpha, local_kl, local_masks, FACTOR).backward()
     grad = torch.cat([c.index_select(0, index) for c in hidden.grad.chunk(1 + depth)])
-    tv = (local_masks * (1 - local_alpha.detach())).sum((1, 2)) / local_masks.sum((1, 2)).clamp(min=1)
-    return grad, weight.grad, tv
+    per_token = per_token_values(loss_type, local_alpha, local_kl).detach()
+    logged = (local_masks * per_token).sum((1, 2)) / local_masks.sum((1, 2)).clamp(min=1)
+    return grad, weight.grad, logged
 
 
-def _check_against_reference(results, loss_type, depth, s, seq_bounds):
+def _check_against_reference(results, loss_type, depth, s, seq_bounds, temperature=1.0):
     for index, grad, weight_grad, logged, recomputed in results:
         for fused_value, recomputed_value in zip((grad, weight_grad, logged), recomputed):
             assert torch.equal(fused_value, recomputed_value)  # fused and recompute paths agree
-        ref_grad, ref_weight_grad, ref_tv = _reference_for_rank(loss_type, depth, s, index, seq_bounds)
+        ref_grad, ref_weight_grad, ref_tv = _reference_for_rank(
+            loss_type, depth, s, index, seq_bounds, temperature
+        )
         torch.testing.assert_close(logged.double(), ref_tv, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-4, atol=1e-7)
         torch.testing.assert_close(weight_grad.double(), ref_weight_grad, rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize('loss_type,depth', [('tv', 2), ('e2e_tv', 3)])
+@pytest.mark.parametrize(
+    'loss_type,depth,temperature', [('tv', 2, 1.0), ('e2e_tv', 3, 1.0), ('lk', 2, 0.7), ('kl', 2, 1.0)]
+)
 @pytest.mark.parametrize('cp', [1, 2])
-def test_context_parallel_zigzag_matches_full_sequence(loss_type, depth, cp):
+def test_context_parallel_zigzag_matches_full_sequence(loss_type, depth, temperature, cp):
     s = 16
-    results = spawn(_loss_worker, cp, loss_type, depth, s, None, 1, cp=cp)
-    _check_against_reference(results, loss_type, depth, s, None)
+    results = spawn(_loss_worker, cp, loss_type, depth, s, None, 1, temperature, cp=cp)
+    _check_against_reference(results, loss_type, depth, s, None, temperature)
 
 
-@pytest.mark.parametrize('loss_type,depth', [('tv', 2), ('e2e_tv', 2)])
+@pytest.mark.parametrize('loss_type,depth', [('tv', 2), ('e2e_tv', 2), ('kl', 2), ('lk', 2)])
 @pytest.mark.parametrize('cp', [1, 2])
 def test_packed_sequences_never_cross_a_boundary(loss_type, depth, cp):
     # Three sequences of different lengths in one row; with CP every slot is a multiple of 4.

@@ -1,0 +1,108 @@
+"""No gradient work where no gradient is wanted, counted in matrix products.
+
+Evaluation (``torch.no_grad``, as Megatron's ``evaluate()``) and the metrics-only pass of
+``mtp_log_acceptance`` need one projection per chunk (target and draft rows in one product);
+training adds the input- and weight-gradient products of every depth. Counted with a torch
+dispatch mode, so a regression (e.g. deciding from ``ctx.needs_input_grad`` alone, which is True
+for a Parameter even under ``no_grad``) shows up as extra products.
+"""
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import megatron.mtp_tv
+from megatron.mtp_tv.linear_tv import linear_tv_loss
+from megatron.mtp_tv.testing.distributed import single_process
+from megatron.mtp_tv.testing.models import build_gpt_with_mtp, forward_loss
+from tests.reference import token_weights
+
+megatron.mtp_tv.install()
+
+_PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten.baddbmm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.out,
+             torch.ops.aten.addmm_.default}
+
+
+class ProductCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _PRODUCTS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def counting():
+    counter = ProductCounter()
+    with counter:
+        yield counter
+
+
+def _inputs(G=2, s=12, b=2, h=8, V=32):
+    g = torch.Generator().manual_seed(0)
+    draft = torch.randn(G, s, b, h, generator=g).requires_grad_()
+    target = torch.randn(s, b, h, generator=g)
+    weight = torch.nn.Parameter(torch.randn(V, h, generator=g))
+    masks = torch.ones(G, s, b)
+    return draft, target, weight, masks
+
+
+@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv', 'kl', 'lk'])
+@pytest.mark.parametrize('fused', [True, False])
+def test_products_in_eval_and_training(loss_type, fused):
+    G, chunk_positions = 2, 3
+    draft, target, weight, masks = _inputs(G)
+    chunks = 12 // chunk_positions
+    kwargs = dict(loss_type=loss_type, chunk_size=chunk_positions * 2, fused=fused)
+    with torch.no_grad(), counting() as evaluation:
+        linear_tv_loss(draft, target, weight, token_weights(loss_type, masks), **kwargs)
+    assert evaluation.count == chunks  # one projection per chunk, no gradient products
+    with counting() as training:
+        out = linear_tv_loss(draft, target, weight, token_weights(loss_type, masks), **kwargs)
+        out.loss.backward()
+    # fused: projection + G x (input grad + weight grad) per chunk; recompute: the sweep twice
+    per_chunk = 1 + 2 * G
+    assert training.count == chunks * (per_chunk if fused else 1 + per_chunk)
+
+
+def _model_step(loss_type, log_acceptance, train=True):
+    model = build_gpt_with_mtp(
+        vocab_size=64, hidden_size=32, seq_length=8, mtp_num_layers=2, mtp_loss_type=loss_type,
+        mtp_log_acceptance=log_acceptance, mtp_tv_chunk=8,
+    )
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (2, 8), generator=g)
+    mask = torch.ones(2, 8)
+    model.train(train)
+    with counting() as counter:
+        if train:
+            loss = forward_loss(model, tokens, torch.roll(tokens, -1, 1), mask)
+            loss.sum().backward()
+        else:
+            with torch.no_grad():
+                forward_loss(model, tokens, torch.roll(tokens, -1, 1), mask)
+    return counter.count
+
+
+def test_ce_metrics_only_pass_costs_one_projection_per_chunk():
+    with single_process():
+        plain = _model_step('ce', False)
+    with single_process():
+        logged = _model_step('ce', True)
+    # 16 tokens in chunks of 8: 2 chunks, one product each (no gradients in the metrics pass)
+    assert logged - plain == 2
+
+
+def test_tv_evaluation_forms_no_gradients():
+    with single_process():
+        evaluation = _model_step('tv', False, train=False)
+    with single_process():
+        ce_evaluation = _model_step('ce', False, train=False)
+    # CE projects each of the 2 depths once; TV projects target + drafts once per chunk (2).
+    assert evaluation == ce_evaluation

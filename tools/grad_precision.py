@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Gradient error of the draft losses in bf16 / fp16 against float64, beside Megatron CE's own.
+
+    .venv/bin/python tools/grad_precision.py                         # bf16 and fp16, 1k-8k tokens
+    .venv/bin/python tools/grad_precision.py --tokens 1024 --dtypes fp16 --losses tv,kl
+
+One depth, one micro-batch of ``tokens`` positions. The inputs (draft and main hidden states
+after the final norm, the output weight) are drawn once, rounded to the model dtype, and then
+used by everything: the package's loss, Megatron's MTP cross-entropy path (the output layer's
+product in the model dtype, then ``vocab_parallel_cross_entropy``, which upcasts to fp32) and
+float64 references of both computed from the same rounded values. Both sides are normalised as
+Megatron's ``process_mtp_loss`` does (``scale * sum(mask * loss) / num_tokens``) and
+differentiated through Megatron's fp16 recipe: ``(loss * loss_scale).backward()``, then the
+gradients divided by the loss scale (bf16: loss scale 1). Reported: the relative Frobenius error
+``|g - g_ref| / |g_ref|`` of the draft-hidden and output-weight gradients, and each loss's error
+over CE's (the suite holds it to at most 2, tests/test_precision.py).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.reference import depth_terms, objective  # noqa: E402  (independent fp64 reference)
+
+DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16}
+#: Megatron's fp16 training scales the loss (dynamically; 2**16 is a typical settled value);
+#: bf16 training does not.
+LOSS_SCALES = {'bf16': 1.0, 'fp16': 65536.0}
+SCALE = 0.1  # mtp_loss_scaling_factor / mtp_num_layers with Megatron's default and one depth
+
+
+def make_inputs(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, seed: int = 0):
+    """Rounded ``(draft [t, 1, h], main [t, 1, h], weight [V, h], mask [t], labels [t])``.
+
+    Logits have a standard deviation of about 3 (a trained LM's scale) and the draft is a noisy
+    copy of the main hidden state one position ahead, so the overlap is that of a warm head.
+    """
+    g = torch.Generator().manual_seed(seed)
+    main = torch.randn(tokens, 1, hidden, generator=g)
+    draft = torch.roll(main, -1, 0) + 0.6 * torch.randn(tokens, 1, hidden, generator=g)
+    weight = torch.randn(vocab, hidden, generator=g) * (3.0 / hidden**0.5)
+    mask = (torch.rand(tokens, generator=g) > 0.1).float()
+    mask[-1] = 0  # the last position has no target
+    with torch.no_grad():
+        p = torch.softmax(torch.roll(main, -1, 0)[:, 0] @ weight.t(), -1)
+    labels = torch.multinomial(p, 1, generator=g)[:, 0]
+    return draft.to(dtype), main.to(dtype), weight.to(dtype), mask, labels
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.double() - ref).norm() / ref.norm().clamp(min=1e-300))
+
+
+def package_loss_error(loss_type, draft, main, weight, mask, loss_scale, chunk=0):
+    """Relative errors (draft, weight) of ``linear_tv_loss`` in the inputs' dtype."""
+    from megatron.mtp_tv.linear_tv import linear_tv_loss
+
+    d, w = draft.clone().requires_grad_(), weight.clone().requires_grad_()
+    weights = mask * (SCALE / mask.sum())
+    token_weights = weights[:, None] if loss_type == 'e2e_tv' else weights[None, :, None]
+    out = linear_tv_loss(d[None], main, w, token_weights, loss_type=loss_type, chunk_size=chunk)
+    (out.loss * loss_scale).backward()
+    d64, w64 = draft.double().requires_grad_(), weight.double().requires_grad_()
+    alpha, kl = depth_terms(main.double(), [d64], w64)
+    masks = mask.double()[None, :, None]
+    objective(loss_type, alpha, kl, masks, SCALE).backward()
+    return (
+        relative_error(d.grad.float() / loss_scale, d64.grad),
+        relative_error(w.grad.float() / loss_scale, w64.grad),
+    )
+
+
+def megatron_ce_error(draft, weight, mask, labels, loss_scale):
+    """Relative errors (draft, weight) of Megatron's MTP cross-entropy path in the inputs' dtype."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    d, w = draft.clone().requires_grad_(), weight.clone().requires_grad_()
+    logits = torch.matmul(d, w.t())  # the output layer's product, [t, 1, V] in the model dtype
+    ce = vocab_parallel_cross_entropy(logits, labels[:, None])[:, 0]
+    loss = SCALE * (mask * ce).sum() / mask.sum()
+    (loss * loss_scale).backward()
+    d64, w64 = draft.double().requires_grad_(), weight.double().requires_grad_()
+    logits64 = d64[:, 0] @ w64.t()
+    ce64 = torch.logsumexp(logits64, -1) - logits64.gather(1, labels[:, None])[:, 0]
+    (SCALE * (mask.double() * ce64).sum() / mask.sum()).backward()
+    return (
+        relative_error(d.grad.float() / loss_scale, d64.grad),
+        relative_error(w.grad.float() / loss_scale, w64.grad),
+    )
+
+
+def measure(dtype_name: str, tokens: int, losses, hidden: int = 128, vocab: int = 4096, seed: int = 0):
+    """``{name: (draft_error, weight_error)}`` for ``'ce'`` and every loss in ``losses``."""
+    from megatron.mtp_tv.testing.distributed import single_process
+
+    dtype, loss_scale = DTYPES[dtype_name], LOSS_SCALES[dtype_name]
+    draft, main, weight, mask, labels = make_inputs(tokens, hidden, vocab, dtype, seed)
+    with single_process():
+        results = {'ce': megatron_ce_error(draft, weight, mask, labels, loss_scale)}
+    for loss_type in losses:
+        results[loss_type] = package_loss_error(loss_type, draft, main, weight, mask, loss_scale)
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--tokens', default='1024,4096,8192')
+    parser.add_argument('--dtypes', default='bf16,fp16')
+    parser.add_argument('--losses', default='tv,e2e_tv,kl,lk')
+    parser.add_argument('--hidden', type=int, default=128)
+    parser.add_argument('--vocab', type=int, default=4096)
+    args = parser.parse_args(argv)
+    losses = args.losses.split(',')
+    print(f'hidden {args.hidden}, vocab {args.vocab}; relative gradient error vs float64 '
+          f'(draft hidden / output weight), and / CE')
+    print('| dtype | tokens | loss | draft | weight | draft / CE | weight / CE |')
+    print('|---|---|---|---|---|---|---|')
+    for dtype_name in args.dtypes.split(','):
+        for tokens in map(int, args.tokens.split(',')):
+            results = measure(dtype_name, tokens, losses, args.hidden, args.vocab)
+            ce_d, ce_w = results['ce']
+            for name, (d, w) in results.items():
+                print(f'| {dtype_name} | {tokens} | {name} | {d:.2e} | {w:.2e} | '
+                      f'{d / ce_d:.2f} | {w / ce_w:.2f} |', flush=True)
+
+
+if __name__ == '__main__':
+    main()
