@@ -37,24 +37,28 @@ def test_kernels_match_torch_row_ops_over_several_vocab_tiles():
         zt = torch.randn(n + 2, V) * 3
         zq = torch.randn(n, V) * 3
         dot_coef = torch.rand(n)
-        def normalised(ops, z):
-            probs, stats = ops.normalise_(z, None)
-            return probs, stats.max
+        kl_coef = torch.rand(n)
+        zq[1, 4500] = zq[1].max() + 1.0  # an argmax in the second (partial) tile
+        zq[2, :2] = zq[2].max() + 1.0    # a tie: the lowest index wins, as torch.argmax
 
         def passes(ops, offset):
-            t, _ = normalised(ops, zt.clone())
-            d, m = normalised(ops, zq.clone())
+            t, _ = ops.normalise_(zt.clone(), None, vocab_start=7)
+            d, stats = ops.normalise_(zq.clone(), None, vocab_start=7)
             p = ops.rows(t, offset, offset + n)
-            ov, dot, _ = ops.pair_sums(p, d, dot=True)
-            return m, ov, dot, ops.grad_(p, d, dot, dot_coef)
+            ov, dot, kl = ops.pair_sums(p, d, dot=True, kl=True)
+            tv_only = ops.grad_(p, ops.normalise_(zq.clone(), None)[0], dot, dot_coef).clone()
+            both = ops.grad_(p, d, dot, dot_coef, kl_coef)  # the LK form
+            return stats.max, stats.argmax, ov, dot, kl, tv_only, both
 
         for offset in (0, 2):
-            m_ref, ov_ref, dot_ref, g_ref = passes(TorchRowOps(), offset)
-            m, ov, dot, g = passes(TritonRowOps(), offset)
-            torch.testing.assert_close(m, m_ref)
-            torch.testing.assert_close(ov, ov_ref, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(dot, dot_ref, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-9)
+            ref = passes(TorchRowOps(), offset)
+            got = passes(TritonRowOps(), offset)
+            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+            assert got[1].tolist() == (zq.argmax(-1) + 7).tolist()
+            for a, b in zip(got[2:5], ref[2:5]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            for a, b in zip(got[5:], ref[5:]):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-9)
         print('ok')
     ''')
 
@@ -63,7 +67,8 @@ def test_linear_tv_reference_suite_through_the_kernels():
     # A slice of the reference tests (both losses, chunking, fused and recompute) on Triton.
     proc = subprocess.run(
         [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', str(ROOT / 'tests/test_linear_tv.py'),
-         '-k', 'test_matches_reference and 5-' + ' or logits_fn or greedy or zero'],
+         '-k', 'test_matches_reference and 5-' + ' or logits_fn or greedy or zero'
+         ' or (kl_lk_and_temperature and True-5-3)'],
         env={**os.environ, 'TRITON_INTERPRET': '1', TRITON_ENV: '1', 'PYTHONPATH': str(ROOT)},
         capture_output=True, text=True, timeout=900, cwd=ROOT,
     )

@@ -92,21 +92,25 @@ def check_kernels_against_torch(device: str, quick: bool) -> List[dict]:
     zq = (torch.randn(n, V, generator=g) * 3).to(device)
     coef = torch.rand(n, generator=g).to(device)
 
+    kl_coef = torch.rand(n, generator=g).to(device)
+
     def passes(ops, offset):
-        t, t_max = ops.normalise_(zt.clone(), None)
-        q, q_max = ops.normalise_(zq.clone(), None)
+        t, _ = ops.normalise_(zt.clone(), None, vocab_start=0)
+        q, q_stats = ops.normalise_(zq.clone(), None, vocab_start=0)
         p = ops.rows(t, offset, offset + n)
-        overlap, dot = ops.overlap(p, q)
-        return q_max, overlap, dot, ops.grad_(p, q, dot, coef).clone()
+        overlap, dot, kl = ops.pair_sums(p, q, dot=True, kl=True)
+        grad = ops.grad_(p, q, dot, coef, kl_coef).clone()  # the LK form: both terms
+        return q_stats.max, q_stats.argmax.float(), overlap, dot, kl, grad
 
     results = []
+    names = ('row_max', 'argmax', 'overlap', 'dot', 'kl', 'grad')
     for offset in (0, 2):
         ref = passes(TorchRowOps(), offset)
         got = passes(TritonRowOps(), offset)
-        errs = {name: (a - b).abs().max().item() for name, a, b in
-                zip(('row_max', 'overlap', 'dot', 'grad'), got, ref)}
-        ok = (errs['row_max'] == 0.0 and errs['overlap'] <= 1e-5 and errs['dot'] <= 1e-5
-              and errs['grad'] <= 1e-4 * ref[3].abs().max().item() + 1e-9)
+        errs = {name: (a - b).abs().max().item() for name, a, b in zip(names, got, ref)}
+        ok = (errs['row_max'] == 0.0 and errs['argmax'] == 0.0 and errs['overlap'] <= 1e-5
+              and errs['dot'] <= 1e-5 and errs['kl'] <= 1e-4
+              and errs['grad'] <= 1e-4 * ref[-1].abs().max().item() + 1e-9)
         results.append({'check': 'kernels', 'n': n, 'V': V, 'offset': offset, **errs, 'ok': ok})
     return results
 
