@@ -408,7 +408,7 @@ def snippet_track_metrics() -> List[str]:
         "        # Acceptance metrics of every mtp_loss_type but 'ce', and of mtp_log_acceptance.",
         f'        from {TARGET_MODULE}.metrics import log_acceptance_metrics',
         '',
-        '        log_acceptance_metrics(iteration, writer, wandb_writer)',
+        '        log_acceptance_metrics(iteration, writer, wandb_writer, total_loss_dict)',
         '',
     ]
 
