@@ -342,7 +342,8 @@ def run(args: argparse.Namespace) -> Dict:
 
         def overrides(phase, loss, temperature=1.0):
             return M.phase_overrides(phase, loss, args.pretrain_mtp_scale, temperature,
-                                     args.lk_eta if loss == 'lk' else None)
+                                     args.lk_eta if loss == 'lk' else None,
+                                     chunk=args.batch_size * args.seq_length)
 
         # 3. Heal the grafted heads: every arm from the same drifted weights, same budget.
         for arm in args.arms:
@@ -400,6 +401,7 @@ def settings(args: argparse.Namespace) -> Dict:
                                'the warm and serve arms, pretrained, drifted; only with serve arms)',
     }
     out['cold_init_seed'] = args.seed * 1000 + 5
+    out['mtp_tv_chunk'] = args.batch_size * args.seq_length  # one chunk per micro-batch
     return out
 
 

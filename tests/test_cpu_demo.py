@@ -57,6 +57,7 @@ def test_smoke_run(tmp_path):
     settings = data['settings']
     assert settings['gamma'] == 2 and settings['arms'] == DEFAULT_ARMS
     assert settings['serving_temperature'] == 0.7 and settings['lk_eta'] == 3.0
+    assert settings['mtp_tv_chunk'] == 4 * 16  # one chunk per micro-batch
     assert settings['training_temperature']['serve_tv'] == 0.7
     assert settings['arm_scenarios']['cold_kl'] == {'scenario': 'cold', 'loss': 'kl'}
     assert data['eval_steps'] == [2, 4] and data['cold_eval_steps'] == [2, 4]

@@ -41,11 +41,16 @@ class ModelSpec:
 
 
 def phase_overrides(phase: str, loss_type: str, pretrain_mtp_scale: float,
-                    temperature: float = 1.0, lk_eta: Optional[float] = None) -> Dict:
+                    temperature: float = 1.0, lk_eta: Optional[float] = None,
+                    chunk: Optional[int] = None) -> Dict:
     """``TransformerConfig`` fields (added by the plugin or Megatron's own) for a phase.
 
-    ``temperature`` (``mtp_tv_temperature``) and ``lk_eta`` (``mtp_lk_eta``, None: the plugin's
-    default) apply to the 'heal' and 'cold' phases.
+    ``temperature`` (``mtp_tv_temperature``), ``lk_eta`` (``mtp_lk_eta``, None: the plugin's
+    default) and ``chunk`` (``mtp_tv_chunk``, None: the plugin's automatic size) apply to the
+    'heal' and 'cold' phases. The demo passes the micro-batch's token count: its logits are tiny
+    (256-token vocabulary), and the automatic size (bounded by the ``[V, h]`` weight gradient,
+    64 tokens here) would cut a micro-batch into 16 chunks, each paying per-operation overhead
+    (about 2.2x slower steps on CPU).
     """
     if phase == 'pretrain':
         # Joint CE training as MTP models are pretrained: the MTP loss also shapes the backbone.
@@ -65,6 +70,8 @@ def phase_overrides(phase: str, loss_type: str, pretrain_mtp_scale: float,
             out['mtp_tv_temperature'] = float(temperature)
         if lk_eta is not None:
             out['mtp_lk_eta'] = float(lk_eta)
+        if chunk is not None:
+            out['mtp_tv_chunk'] = int(chunk)
         return out
     raise ValueError(f'unknown phase {phase!r}')
 

@@ -169,8 +169,8 @@ alpha_k (TF): teacher-forced acceptance of depth k, the mean over held-out posit
   main model's argmax, and agree_k is the teacher-forced agreement of the two argmaxes).
   emp. - pred@n: empirical minus predicted @n, paired over prompts: what teacher forcing misses.
   emp. - ce, emp. - tv: paired difference from the 'ce' ('tv') arm of the same scenario (cold
-  rows: 'cold_ce', 'cold_tv'; same prompts, same random numbers). emp. - same loss at T=1: a serve arm minus the arm trained with
-  the same loss at T=1, both verified at the serving temperature."""
+  rows: 'cold_ce', 'cold_tv'; same prompts, same random numbers). emp. - same loss at T=1: a
+  serve arm minus the arm trained with the same loss at T=1, both verified in the table's mode."""
 
 
 def write_json(path: str, payload: Dict) -> None:
