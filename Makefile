@@ -4,8 +4,8 @@
 # make setup  - only create/refresh .venv (tools/setup_env.sh; ~1 s when up to date)
 # make test-patched - the Megatron-facing tests against megatron-core 0.19.2 patched with
 #               patches/ instead of the plugin (tools/test_patched_tree.py; part of make test)
-# make patches - regenerate patches/ (tools/make_patches.py; MTP_TV_MEGATRON_LM=<radixark clone>
-#               for the fork patches)
+# make patches - regenerate patches/ (tools/make_patches.py; the git-tree patches need
+#               MTP_TV_MEGATRON_LM=<radixark clone>:<NVIDIA clone> when their base changes)
 #
 # ARGS="..." is passed to the demo / benchmark script, PYTEST_ARGS="..." to pytest.
 
