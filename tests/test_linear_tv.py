@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron.mtp_tv.linear_tv import auto_chunk_tokens, linear_tv_loss
+from megatron.mtp_tv.linear_tv import AUTO_CHUNK_MIN_BYTES, auto_chunk_tokens, linear_tv_loss
 from megatron.mtp_tv.losses import EndToEndTVLoss
 from megatron.mtp_tv.row_ops import TorchRowOps
 from tests.reference import depth_alphas, depth_terms, objective, token_weights
@@ -260,14 +260,18 @@ def test_kl_stays_finite_when_the_draft_underflows_and_its_gradient_stays_exact(
 
 
 def test_auto_chunk_keeps_logits_within_both_bounds():
-    assert auto_chunk_tokens(4096, 1, 1024) == 512  # the weight-gradient bound: 2 x 512 rows <= h
-    assert auto_chunk_tokens(1024, 1, 1024) == 256  # half of CE's 1 x 1024 saved softmax rows
-    assert auto_chunk_tokens(8192, 3, 4096) == 1024
+    V = 32768
+    assert auto_chunk_tokens(4096, 1, 1024, V) == 512  # the weight-gradient bound: 2 x 512 rows <= h
+    assert auto_chunk_tokens(1024, 1, 1024, V) == 256  # half of CE's 1 x 1024 saved softmax rows
+    assert auto_chunk_tokens(8192, 3, 4096, 151936 // 2) == 1024
+    assert auto_chunk_tokens(4096, 3, 64, 256) == 1536  # tiny model: the 64 MiB floor, CE bound
+    floor_rows = AUTO_CHUNK_MIN_BYTES // 4
     for tokens in (1, 7, 100, 4096, 65536):
         for depths in (1, 2, 3):
             for hidden in (64, 1024, 8192):
-                chunk = auto_chunk_tokens(tokens, depths, hidden)
-                assert chunk >= 1
-                if chunk > 1:
-                    assert (depths + 1) * chunk <= hidden
-                    assert 2 * (depths + 1) * chunk <= depths * tokens
+                for vocab in (256, 32768, 151936):
+                    chunk = auto_chunk_tokens(tokens, depths, hidden, vocab)
+                    assert chunk >= 1
+                    if chunk > 1:
+                        assert (depths + 1) * chunk * vocab <= max(hidden * vocab, floor_rows)
+                        assert 2 * (depths + 1) * chunk <= depths * tokens

@@ -102,19 +102,25 @@ class TVLossResult(NamedTuple):
     greedy verifier's acceptance; if ``metrics``)."""
 
 
-def auto_chunk_tokens(num_tokens: int, depths: int, hidden: int) -> int:
+#: Live fp32 logits the automatic chunk may always use, however small the hidden size: below
+#: this, more chunks only add per-chunk overhead (and the bound against the CE path still holds).
+AUTO_CHUNK_MIN_BYTES = 64 * 2**20
+
+
+def auto_chunk_tokens(num_tokens: int, depths: int, hidden: int, vocab_local: int) -> int:
     """The chunk :func:`linear_tv_loss` uses for ``chunk_size=0``, in tokens.
 
-    Live fp32 logits of a chunk are ``(depths + 1) * chunk`` rows of ``V/tp``. The rule keeps them
-    at most the ``[V/tp, hidden]`` fp32 weight gradient the fused path holds anyway
-    (``chunk <= hidden / (depths + 1)``) and at most half of the ``depths * num_tokens`` rows
-    of softmax that Megatron's cross-entropy path saves for the same tokens
-    (``chunk <= depths * num_tokens / (2 (depths + 1))``), so the loss never peaks above that path
-    at any sequence length. ``V/tp`` cancels out of both bounds.
+    Live fp32 logits of a chunk are ``(depths + 1) * chunk`` rows of ``vocab_local`` (= V/tp).
+    The rule keeps them at most the larger of the ``[V/tp, hidden]`` fp32 weight gradient the
+    fused path holds anyway and :data:`AUTO_CHUNK_MIN_BYTES` (64 MiB), and at most half of the
+    ``depths * num_tokens`` rows of softmax that Megatron's cross-entropy path saves for the same
+    tokens (``chunk <= depths * num_tokens / (2 (depths + 1))``), so the loss never peaks above
+    that path at any sequence length.
     """
-    per_weight_grad = hidden // (depths + 1)
+    budget_rows = max(hidden, AUTO_CHUNK_MIN_BYTES // (4 * max(1, vocab_local)))
+    per_budget = budget_rows // (depths + 1)
     per_ce = depths * num_tokens // (2 * (depths + 1))
-    return max(1, min(per_weight_grad, per_ce))
+    return max(1, min(per_budget, per_ce))
 
 
 def linear_tv_loss(
@@ -183,7 +189,7 @@ def linear_tv_loss(
         raise ValueError(f"temperature={temperature!r} must be a finite number > 0.")
     if segments is None:
         segments = (TargetSegment(0, s),)
-    tokens = chunk_size if chunk_size > 0 else auto_chunk_tokens(s * b, G, h)
+    tokens = chunk_size if chunk_size > 0 else auto_chunk_tokens(s * b, G, h, weight.shape[0])
     plan = _Plan(
         loss=loss,
         positions_per_chunk=max(1, tokens // b),
