@@ -47,10 +47,10 @@ def phase_overrides(phase: str, loss_type: str, pretrain_mtp_scale: float,
 
     ``temperature`` (``mtp_tv_temperature``), ``lk_eta`` (``mtp_lk_eta``, None: the plugin's
     default) and ``chunk`` (``mtp_tv_chunk``, None: the plugin's automatic size) apply to the
-    'heal' and 'cold' phases. The demo passes the micro-batch's token count: its logits are tiny
-    (256-token vocabulary), and the automatic size (bounded by the ``[V, h]`` weight gradient,
-    64 tokens here) would cut a micro-batch into 16 chunks, each paying per-operation overhead
-    (about 2.2x slower steps on CPU).
+    'heal' and 'cold' phases. The demo passes the micro-batch's token count, one chunk per
+    micro-batch: its logits are tiny (1 MiB at a 256-token vocabulary), every chunk costs
+    per-operation overhead on CPU (16 chunks made a head step 2.2x slower), and the numbers do
+    not depend on the plugin's automatic rule.
     """
     if phase == 'pretrain':
         # Joint CE training as MTP models are pretrained: the MTP loss also shapes the backbone.
