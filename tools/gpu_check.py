@@ -6,12 +6,13 @@ importable the CE baseline is Megatron's ``vocab_parallel_cross_entropy``, other
 ``cross_entropy`` on the same fp32 logits (cheaper than Megatron's, so a stricter baseline).
 
 1. **Correctness** (fp32, Triton row kernels required): ``linear_tv_loss`` against the
-   independent full-vocabulary reference of ``tests/reference.py`` (float64, CPU) for ``'tv'`` and
-   ``'e2e_tv'``, 1 and 3 depths, several chunk sizes, fused and recompute; the Triton kernels
+   independent full-vocabulary reference of ``tests/reference.py`` (float64, CPU) for ``'tv'``,
+   ``'e2e_tv'``, ``'kl'`` and ``'lk'`` (the last at T = 0.7), 1 and 3 depths, several chunk sizes, fused and recompute; the Triton kernels
    against the torch row ops at an LLM vocabulary (151936, several tiles); a bf16 model against
    its fp32 twin.
 2. **Benchmark** (bf16 inputs and weight, fp32 loss math): per-depth TV fused / recompute against
-   linear + CE on the same tensors, the products-only floor of each side, and ``'e2e_tv'`` with 3
+   linear + CE on the same tensors (and fused ``'kl'`` / ``'lk'``), the products-only floor of each
+   side, and ``'e2e_tv'`` with 3
    depths against 3 CE depths; CUDA-event medians, peak extra memory, and achieved TFLOP/s of
    each against a large bf16 GEMM measured in the same run (the practical roofline).
 
@@ -40,7 +41,7 @@ for _p in (_HERE, _ROOT):
 from bench_loss import _CEProducts, _TVProducts  # noqa: E402
 from megatron.mtp_tv.linear_tv import linear_tv_loss  # noqa: E402
 from megatron.mtp_tv.row_ops import TRITON_ENV, TorchRowOps, TritonRowOps, select_row_ops  # noqa: E402
-from tests.reference import depth_alphas, e2e_objective, token_weights, tv_objective  # noqa: E402
+from tests.reference import depth_terms, objective, token_weights  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------
@@ -50,7 +51,7 @@ def check_against_reference(device: str, quick: bool) -> List[dict]:
     """fp32 loss and gradients on ``device`` vs the float64 CPU reference."""
     S, B, H, V = (9, 2, 16, 300) if quick else (37, 2, 32, 5003)
     results = []
-    for loss_type in ('tv', 'e2e_tv'):
+    for loss_type, temperature in (('tv', 1.0), ('e2e_tv', 1.0), ('kl', 1.0), ('lk', 0.7)):
         for G in (1, 3):
             g = torch.Generator().manual_seed(G)
             draft = torch.randn(G, S, B, H, generator=g, dtype=torch.float64)
@@ -60,8 +61,8 @@ def check_against_reference(device: str, quick: bool) -> List[dict]:
             for k in range(G):
                 masks[k, S - k - 1 :] = 0
             d_ref, w_ref = draft.clone().requires_grad_(), weight.clone().requires_grad_()
-            objective = tv_objective if loss_type == 'tv' else e2e_objective
-            ref = objective(depth_alphas(target, list(d_ref), w_ref), masks, 0.3)
+            alpha, kl = depth_terms(target, list(d_ref), w_ref, temperature=temperature)
+            ref = objective(loss_type, alpha, kl, masks, 0.3)
             ref.backward()
             for chunk in (0, 7, 64):
                 for fused in (True, False):
@@ -69,7 +70,8 @@ def check_against_reference(device: str, quick: bool) -> List[dict]:
                     w = weight.float().to(device).requires_grad_()
                     out = linear_tv_loss(d, target.float().to(device), w,
                                          token_weights(loss_type, masks).float().to(device),
-                                         loss_type=loss_type, chunk_size=chunk, fused=fused)
+                                         loss_type=loss_type, chunk_size=chunk, fused=fused,
+                                         temperature=temperature)
                     out.loss.backward()
                     errs = {
                         'loss': abs(out.loss.item() - ref.item()),
@@ -226,10 +228,10 @@ def bench(device: str, dtype: torch.dtype, seqs: List[int], hidden: int, vocab: 
             logits = x @ weight.t()
             (ce_loss(logits, labels).sum() / s).backward()
 
-        def tv(chunk, fused):
+        def tv(chunk, fused, loss_type='tv'):
             def run():
                 clear()
-                linear_tv_loss(x.unsqueeze(0), y, weight, w_tv, 'tv', chunk_size=chunk,
+                linear_tv_loss(x.unsqueeze(0), y, weight, w_tv, loss_type, chunk_size=chunk,
                                fused=fused).loss.backward()
             return run
 
@@ -247,6 +249,8 @@ def bench(device: str, dtype: torch.dtype, seqs: List[int], hidden: int, vocab: 
             tv_flops = 4 * 2 * n * hidden * vocab  # target, draft, g@W, g^T x (per token)
             cases[f'tv chunk {chunk}'] = (tv(chunk, True), tv_flops)
             cases[f'tv-recompute chunk {chunk}'] = (tv(chunk, False), tv_flops * 6 // 4)
+            for loss_type in ('kl', 'lk'):  # the cold-start losses, same products
+                cases[f'{loss_type} chunk {chunk}'] = (tv(chunk, True, loss_type), tv_flops)
             cases[f'tv-products chunk {chunk}'] = (
                 products(lambda c=chunk: _TVProducts.apply(x.view(s, hidden), y.view(s, hidden), weight, c)),
                 tv_flops)
