@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Graft-and-heal on CPU: what TV training does for drafted MTP heads, measured by acceptance.
+"""Graft-and-heal and cold start on CPU: which MTP loss makes draft heads accepted most often.
 
 A tiny megatron-core GPTModel with MTP heads (the real Megatron loss path, with the
 ``megatron.mtp_tv`` plugin) goes through the life of a grafted draft head:
@@ -39,22 +39,8 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-#: The MTP losses an arm can train with (``mtp_loss_type``).
-LOSSES = ('ce', 'kl', 'tv', 'lk', 'e2e_tv')
-#: Arms: '<loss>' heals the grafted (warm) heads at T=1; 'serve_<loss>' the same at
-#: --serving-temperature; 'cold_<loss>' trains re-initialised heads at T=1.
-ARMS = LOSSES + tuple(f'serve_{x}' for x in LOSSES if x != 'ce') + tuple(
-    f'cold_{x}' for x in LOSSES)
-DEFAULT_ARMS = ('ce', 'tv', 'e2e_tv', 'serve_tv', 'cold_ce', 'cold_kl', 'cold_tv', 'cold_lk',
-                'cold_e2e_tv')
-
-
-def arm_kind(arm: str):
-    """``(scenario, loss)``: scenario 'warm', 'serve' or 'cold'."""
-    for prefix in ('serve', 'cold'):
-        if arm.startswith(prefix + '_'):
-            return prefix, arm[len(prefix) + 1:]
-    return 'warm', arm
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cpu_demo_lib
+from cpu_demo_lib.arms import ARMS, DEFAULT_ARMS, LOSSES, arm_kind  # noqa: E402
 
 
 def _cpu_seconds() -> float:
@@ -414,7 +400,6 @@ TABLE_TITLES = {
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cpu_demo_lib
     args = parse_args(argv)
     _ensure_importable()
     wall_start = time.monotonic()

@@ -15,20 +15,14 @@ import math
 import os
 from typing import Dict, List, Optional
 
+from .arms import arm_kind
+
 ARM_COLORS = {'ce': '#1f77b4', 'tv': '#d62728', 'e2e_tv': '#2ca02c', 'kl': '#9467bd',
               'lk': '#ff7f0e'}
 #: mode -> (teacher-forced key, speculative key) of an evaluation record.
 MODE_KEYS = {'sampled': ('teacher_forced', 'speculative'),
              'greedy': ('teacher_forced_greedy', 'speculative_greedy'),
              'serving': ('teacher_forced_serving', 'speculative_serving')}
-
-
-def arm_kind(arm: str):
-    """``(scenario, loss)``: 'warm', 'serve' or 'cold' (the demo's arm naming)."""
-    for prefix in ('serve', 'cold'):
-        if arm.startswith(prefix + '_'):
-            return prefix, arm[len(prefix) + 1:]
-    return 'warm', arm
 
 
 def arm_color(arm: str) -> Optional[str]:
