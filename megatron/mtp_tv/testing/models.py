@@ -32,6 +32,37 @@ __all__ = [
 ]
 
 
+def _cpu_config(vocab_size, num_layers, hidden_size, num_attention_heads, mtp_num_layers,
+                sequence_parallel, params_dtype, overrides):
+    """A ``TransformerConfig`` for a CPU model in the current parallel layout (no dropout, CPU
+    initialisation, no gradient-accumulation fusion), with ``overrides`` applied last."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    cp = parallel_state.get_context_parallel_world_size()
+    if vocab_size % tp != 0:
+        raise ValueError(f"vocab_size={vocab_size} must be divisible by TP={tp}")
+    kwargs = dict(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        mtp_num_layers=mtp_num_layers,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        gradient_accumulation_fusion=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
 def build_gpt_with_mtp(
     vocab_size: int = 128,
     hidden_size: int = 32,
@@ -56,38 +87,18 @@ def build_gpt_with_mtp(
     ``mtp_loss_scaling_factor``, ...) can be passed through ``config_overrides``.
     ``position_embedding_type`` may be ``'learned_absolute'``, ``'rope'`` or ``'none'``.
     """
-    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_mtp_block_spec,
     )
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron.mtp_tv.testing.distributed import seed_everything
 
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    cp = parallel_state.get_context_parallel_world_size()
-    if vocab_size % tp != 0:
-        raise ValueError(f"vocab_size={vocab_size} must be divisible by TP={tp}")
-    config_kwargs = dict(
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_attention_heads=num_attention_heads,
-        mtp_num_layers=mtp_num_layers,
-        tensor_model_parallel_size=tp,
-        context_parallel_size=cp,
-        sequence_parallel=sequence_parallel,
-        params_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        fp16=params_dtype == torch.float16,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        gradient_accumulation_fusion=False,
+    config = _cpu_config(
+        vocab_size, num_layers, hidden_size, num_attention_heads, mtp_num_layers,
+        sequence_parallel, params_dtype, config_overrides,
     )
-    config_kwargs.update(config_overrides)
-    config = TransformerConfig(**config_kwargs)
 
     layer_spec = get_gpt_layer_local_spec()
     mtp_block_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
@@ -212,39 +223,19 @@ def build_hybrid_with_mtp(
     ``config_overrides`` are as in :func:`build_gpt_with_mtp`; ``num_layers`` is
     ``len(main_pattern)``, as megatron's argument validation derives it.
     """
-    from megatron.core import parallel_state
     from megatron.core.models.hybrid.hybrid_model import HybridModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron.mtp_tv.testing.distributed import seed_everything
 
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    cp = parallel_state.get_context_parallel_world_size()
-    if vocab_size % tp != 0:
-        raise ValueError(f"vocab_size={vocab_size} must be divisible by TP={tp}")
     if set(main_pattern + mtp_pattern) - set("*-"):
         raise ValueError(
             f"patterns {main_pattern!r}/{mtp_pattern!r}: only '*' (attention) and '-' (MLP) "
             "layers can be built without Transformer Engine"
         )
-    config_kwargs = dict(
-        num_layers=len(main_pattern),
-        hidden_size=hidden_size,
-        num_attention_heads=num_attention_heads,
-        mtp_num_layers=mtp_num_layers,
-        tensor_model_parallel_size=tp,
-        context_parallel_size=cp,
-        sequence_parallel=sequence_parallel,
-        params_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        fp16=params_dtype == torch.float16,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        gradient_accumulation_fusion=False,
+    config = _cpu_config(
+        vocab_size, len(main_pattern), hidden_size, num_attention_heads, mtp_num_layers,
+        sequence_parallel, params_dtype, config_overrides,
     )
-    config_kwargs.update(config_overrides)
-    config = TransformerConfig(**config_kwargs)
     seed_everything(seed)
     with _hybrid_final_norm_without_te():
         model = HybridModel(
