@@ -53,6 +53,7 @@ chunk holds no valid token.
 No Megatron imports here.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Literal, NamedTuple, Optional, Sequence
@@ -258,8 +259,10 @@ class _LinearTV(torch.autograd.Function):
             grad_weight = saved.pop(0) if need_weight_grad else None
         else:
             draft_hidden, weight, target_hidden, token_weights = ctx.saved_tensors
+            # Forward already returned the label hits and the argmax agreement: not again.
+            plan = dataclasses.replace(ctx.plan, labels=None, metrics=False)
             out = _sweep(
-                draft_hidden, weight, target_hidden, token_weights, ctx.plan,
+                draft_hidden, weight, target_hidden, token_weights, plan,
                 draft_grad=need_draft_grad, weight_grad=need_weight_grad,
             )
             grad_draft, grad_weight, grad_scale = out.grad_draft, out.grad_weight, out.grad_scale

@@ -26,6 +26,7 @@ from megatron.core.transformer import multi_token_prediction as _mtp
 from .alignment import target_segments
 from .config import is_cross_entropy
 from .linear_tv import linear_tv_loss
+from .losses import LOSSES
 from .metrics import save_acceptance_to_tracker
 from .vocab_parallel import group_size
 
@@ -124,7 +125,7 @@ def process_mtp_tv_loss(
     masks = torch.stack(depth_masks).float()  # [D, b, s]
 
     # Weights carry mask and normalisation: the loss is then Megatron's scale * sum(tensor).
-    if loss_type != 'e2e_tv':  # one term per depth and token, normalised per depth like CE
+    if not LOSSES[loss_type].per_chain:  # per depth and token, normalised per depth as CE
         num_tokens = torch.stack(depth_num_tokens).float().clamp(min=1)  # [D]
         scale = config.mtp_loss_scaling_factor / depth
         norm = scale / num_tokens
