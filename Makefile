@@ -2,6 +2,7 @@
 # make test   - set up .venv and run the whole test suite
 # make bench  - set up .venv and run the loss benchmark
 # make setup  - only create/refresh .venv (tools/setup_env.sh; ~1 s when up to date)
+# make setup-hf - also the pinned Hugging Face / Megatron-Bridge stack (requirements-hf.txt)
 # make test-patched - the Megatron-facing tests against megatron-core 0.19.2 patched with
 #               patches/ instead of the plugin (tools/test_patched_tree.py; part of make test)
 # make patches - regenerate patches/ (tools/make_patches.py; the git-tree patches need
@@ -14,16 +15,19 @@ PY := .venv/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-patched patches bench
+.PHONY: setup setup-hf demo test test-patched patches bench
 
 setup:
 	@bash tools/setup_env.sh
+
+setup-hf:
+	@bash tools/setup_env.sh hf
 
 demo: setup
 	$(PY) examples/cpu_demo.py $(ARGS)
 
 # pytest exits 5 when it collected no tests; that must fail `make test` (and CI) loudly.
-test: setup
+test: setup-hf
 	@rc=0; $(PY) -m pytest tests -q -ra --durations=15 $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: ERROR: pytest collected no tests" >&2; fi; \
 	exit $$rc

