@@ -14,6 +14,7 @@ from typing import Dict, Sequence, Tuple
 
 from .layout import REPO, TARGET_MODULE, PatchError
 
+#: The package source. Only this module reads it (tests point it at a changed copy).
 PACKAGE_DIR = REPO / 'megatron' / 'mtp_tv'
 #: Package files that only make sense for the plugin (or for tests) and are not shipped.
 NOT_SHIPPED = ('launch.py', 'startup_hook.py')
