@@ -192,6 +192,15 @@ def _ensure_importable() -> None:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def progress_bar(label: str, total: int):
+    """A tqdm bar for one phase on stderr: redrawn in place on a terminal; into a log or a pipe
+    (CI, a test) only at the start, the end and every 30 s, so captured output stays short."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, file=sys.stderr, dynamic_ncols=True,
+                mininterval=0.1 if sys.stderr.isatty() else 30.0)
+
+
 def run(args: argparse.Namespace) -> Dict:
     """The experiment; returns everything that goes into results.json."""
     import torch
@@ -206,7 +215,6 @@ def run(args: argparse.Namespace) -> Dict:
     from cpu_demo_lib import corpus as C
     from cpu_demo_lib import evaluate as E
     from cpu_demo_lib import model as M
-    from cpu_demo_lib.progress import Progress
 
     megatron.mtp_tv.install()
     torch.set_num_threads(args.threads)
@@ -258,7 +266,7 @@ def run(args: argparse.Namespace) -> Dict:
         return record
 
     def evaluate_once(model, arm: str, label: str, at_serving: bool) -> None:
-        with Progress(label, 1) as bar:
+        with progress_bar(label, 1) as bar:
             evaluate(model, arm, 0, final=True, at_serving=at_serving)
             bar.update()
 
@@ -269,7 +277,7 @@ def run(args: argparse.Namespace) -> Dict:
         curve = {'loss': [], 'mtp_loss': [], 'grad_norm': [], 'plugin_metrics': {}}
         since_eval: Dict[str, List[float]] = {}
         t0 = time.monotonic()
-        with Progress(label, steps) as bar:
+        with progress_bar(label, steps) as bar:
             for step in range(1, steps + 1):
                 tokens, labels = batches.next()
                 stats = {}
@@ -287,7 +295,8 @@ def run(args: argparse.Namespace) -> Dict:
                 for key, value in acceptance_metrics().items():
                     curve['plugin_metrics'].setdefault(key, []).append(float(value))
                     since_eval.setdefault(key, []).append(float(value))
-                bar.update(**info)
+                bar.set_postfix(info, refresh=False)
+                bar.update()
                 if step in eval_at:
                     # Every step has the same tokens, so the mean of the per-step values is the
                     # pooled mean over the steps since the last evaluation.

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, 'tools')
 sys.path.insert(0, TOOLS)
 
-from bench_memory import LiveBytesTracker, SavedTensorsCounter, linear_fit  # noqa: E402
+from lossbench.memory import LiveBytesTracker, SavedTensorsCounter, linear_fit  # noqa: E402
 
 MiB = 1 << 20
 

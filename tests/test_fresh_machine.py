@@ -27,9 +27,9 @@ def _load_tool(name):
     return module
 
 
-#: tools/test_patched_tree.py, and through it the make_patches module it uses.
+#: tools/test_patched_tree.py, and through it the patch generator's sources module it uses.
 tpt = _load_tool('test_patched_tree')
-mp = tpt.make_patches
+mp = tpt.sources
 
 
 @pytest.fixture

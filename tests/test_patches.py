@@ -15,7 +15,6 @@ package source, and they apply.
 """
 
 import dataclasses
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -27,30 +26,25 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_make_patches():
-    spec = importlib.util.spec_from_file_location('make_patches', ROOT / 'tools' / 'make_patches.py')
-    module = importlib.util.module_from_spec(spec)
-    sys.modules['make_patches'] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(ROOT / 'tools'))  # the generator, tools/patchgen (tools/make_patches.py)
 
+from patchgen import cli, edits, layout, offline, package, render, sources, targets  # noqa: E402
 
-mp = _load_make_patches()
 FORK = os.environ.get('MTP_TV_MEGATRON_LM')
 needs_git = pytest.mark.skipif(shutil.which('git') is None, reason='git not installed')
 
 
-@pytest.mark.parametrize('name', sorted(mp.TARGETS))
+@pytest.mark.parametrize('name', sorted(targets.TARGETS))
 def test_committed_patch_matches_package_source(name):
-    target = mp.TARGETS[name]
+    target = targets.TARGETS[name]
     assert target.patch_path.exists(), f'{target.patch_path} missing: run tools/make_patches.py'
-    problems = mp.check_offline(target, target.patch_path.read_text())
+    problems = offline.check_offline(target, target.patch_path.read_text())
     assert not problems, 'stale patch (run python tools/make_patches.py):\n' + '\n'.join(problems)
 
 
 def test_0192_patch_regenerates_identically():
-    target = mp.TARGETS['megatron-core-0.19.2']
-    text = mp.render_patch(target, mp.files_0192())
+    target = targets.TARGETS['megatron-core-0.19.2']
+    text = render.render_patch(target, sources.files_0192())
     assert text == target.patch_path.read_text(), 'stale: run python tools/make_patches.py'
 
 
@@ -67,96 +61,104 @@ def _apply(tmp_path, files, patch):
 
 @needs_git
 def test_0192_patch_applies_and_gives_the_generated_tree(tmp_path):
-    files = mp.files_0192()
-    target = mp.TARGETS['megatron-core-0.19.2']
+    files = sources.files_0192()
+    target = targets.TARGETS['megatron-core-0.19.2']
     _apply(tmp_path, files, target.patch_path)
-    for rel, text in mp.patched_files(files).items():
+    for rel, text in edits.patched_files(files).items():
         assert (tmp_path / rel).read_text() == text, rel
 
 
 @needs_git
 @pytest.mark.skipif(not FORK, reason='set MTP_TV_MEGATRON_LM to clones of radixark/Megatron-LM and '
                     'NVIDIA/Megatron-LM (os.pathsep-separated)')
-@pytest.mark.parametrize('name', [n for n, t in sorted(mp.TARGETS.items()) if t.commit])
+@pytest.mark.parametrize('name', [n for n, t in sorted(targets.TARGETS.items()) if t.commit])
 def test_fork_patch_regenerates_and_applies(name, tmp_path):
-    target = mp.TARGETS[name]
+    target = targets.TARGETS[name]
     files = _fork_files(target)
-    assert mp.render_patch(target, files) == target.patch_path.read_text()
+    assert render.render_patch(target, files) == target.patch_path.read_text()
     _apply(tmp_path, files, target.patch_path)
 
 
 def _fork_files(target):
-    files = mp.pristine_files(target, FORK)
+    files = sources.pristine_files(target, FORK)
     if files is None:
         pytest.skip(f'no clone in MTP_TV_MEGATRON_LM has {target.repo} {target.commit[:9]}')
     return files
 
 
-def test_stale_package_file_is_detected(monkeypatch):
-    target = mp.TARGETS['miles-main-2e64d788b']
+def _change_the_package(monkeypatch, tmp_path, *, config_py=lambda text: text, new_modules=()):
+    """Point the generator at a copy of megatron/mtp_tv changed as the package's owners change it:
+    ``config_py`` rewrites config.py, ``new_modules`` are added (empty files of those names)."""
+    copy = tmp_path / 'mtp_tv'
+    shutil.copytree(package.PACKAGE_DIR, copy, ignore=shutil.ignore_patterns('__pycache__'))
+    config = copy / 'config.py'
+    config.write_text(config_py(config.read_text()))
+    for name in new_modules:
+        (copy / name).write_text('"""New."""\n')
+    monkeypatch.setattr(package, 'PACKAGE_DIR', copy)
+
+
+def _edit_a_field_docstring(text):
+    assert 'Training objective' in text.split('# END MTP_TV FIELDS')[0]
+    return text.replace('Training objective', 'Objective')
+
+
+def test_stale_package_file_is_detected(monkeypatch, tmp_path):
+    target = targets.TARGETS['miles-main-2e64d788b']
     text = target.patch_path.read_text()
-    modules = mp.shipped_modules()
-    monkeypatch.setattr(
-        mp, 'shipped_modules', lambda: {**modules, 'config.py': modules['config.py'] + '# new\n'}
-    )
-    problems = mp.check_offline(target, text)
+    _change_the_package(monkeypatch, tmp_path, config_py=lambda text: text + '# new\n')
+    problems = offline.check_offline(target, text)
     assert any('mtp_tv/config.py: differs' in p for p in problems), problems
 
 
-def test_stale_field_docstring_is_detected(monkeypatch):
-    target = mp.TARGETS['miles-main-20260819-235952df6']
+def test_stale_field_docstring_is_detected(monkeypatch, tmp_path):
+    target = targets.TARGETS['miles-main-20260819-235952df6']
     text = target.patch_path.read_text()
-    block = mp.fields_block()
-    monkeypatch.setattr(mp, 'fields_block', lambda: block.replace('Training objective', 'Objective'))
-    problems = mp.check_offline(target, text)
+    _change_the_package(monkeypatch, tmp_path, config_py=_edit_a_field_docstring)
+    problems = offline.check_offline(target, text)
     assert any('transformer_config.py: added lines differ' in p for p in problems), problems
 
 
 def test_shipped_modules_are_relocatable_and_plugin_only_ones_stay_out():
-    shipped = mp.shipped_modules()
+    shipped = package.shipped_modules()
     assert {'__init__.py', 'config.py', 'mtp_loss.py', 'metrics.py'} <= set(shipped)
-    assert not any(p.startswith('testing/') or p in mp.NOT_SHIPPED for p in shipped)
-    with pytest.raises(mp.PatchError, match='relative imports'):
-        mp._check_relocatable('x.py', 'from megatron.mtp_tv.config import MTP_LOSS_TYPES\n')
+    assert not any(p.startswith('testing/') or p in package.NOT_SHIPPED for p in shipped)
+    with pytest.raises(layout.PatchError, match='relative imports'):
+        package._check_relocatable('x.py', 'from megatron.mtp_tv.config import MTP_LOSS_TYPES\n')
 
 
 def test_fields_block_is_the_config_dataclass_body():
     from megatron.mtp_tv.config import MTPLossConfig
     import dataclasses
 
-    block = mp.fields_block()
+    block = package.fields_block()
     for f in dataclasses.fields(MTPLossConfig):
         assert f'    {f.name}: ' in block
     assert 'class ' not in block and '@dataclass' not in block
 
 
-def _change_the_package(monkeypatch):
-    """A docstring edit in a field and a new module, as the package's owners make them."""
-    block, modules = mp.fields_block(), mp.shipped_modules()
-    monkeypatch.setattr(mp, 'fields_block', lambda: block.replace('Training objective', 'Objective'))
-    monkeypatch.setattr(mp, 'shipped_modules', lambda: {**modules, 'zz_new.py': '"""New."""\n'})
-
-
-def test_offline_regeneration_equals_full_regeneration(monkeypatch):
+def test_offline_regeneration_equals_full_regeneration(monkeypatch, tmp_path):
     """What `make patches` does for the fork patches without the fork gives the same bytes as a
     regeneration from the tree (shown on 0.19.2, whose pristine files are at hand)."""
-    target = mp.TARGETS['megatron-core-0.19.2']
+    target = targets.TARGETS['megatron-core-0.19.2']
     committed = target.patch_path.read_text()
-    files = mp.files_0192()
-    _change_the_package(monkeypatch)
-    assert mp.check_offline(target, committed)  # stale now
-    assert mp.regenerate_offline(target, committed) == mp.render_patch(target, files)
+    files = sources.files_0192()
+    _change_the_package(monkeypatch, tmp_path, config_py=_edit_a_field_docstring,
+                        new_modules=['zz_new.py'])
+    assert offline.check_offline(target, committed)  # stale now
+    assert offline.regenerate_offline(target, committed) == render.render_patch(target, files)
 
 
 @pytest.mark.skipif(not FORK, reason='set MTP_TV_MEGATRON_LM to clones of radixark/Megatron-LM and '
                     'NVIDIA/Megatron-LM (os.pathsep-separated)')
-@pytest.mark.parametrize('name', [n for n, t in sorted(mp.TARGETS.items()) if t.commit])
-def test_offline_regeneration_equals_full_regeneration_on_forks(name, monkeypatch):
-    target = mp.TARGETS[name]
+@pytest.mark.parametrize('name', [n for n, t in sorted(targets.TARGETS.items()) if t.commit])
+def test_offline_regeneration_equals_full_regeneration_on_forks(name, monkeypatch, tmp_path):
+    target = targets.TARGETS[name]
     files = _fork_files(target)
     committed = target.patch_path.read_text()
-    _change_the_package(monkeypatch)
-    assert mp.regenerate_offline(target, committed) == mp.render_patch(target, files)
+    _change_the_package(monkeypatch, tmp_path, config_py=_edit_a_field_docstring,
+                        new_modules=['zz_new.py'])
+    assert offline.regenerate_offline(target, committed) == render.render_patch(target, files)
 
 
 def test_every_config_field_is_in_every_patch():
@@ -164,8 +166,8 @@ def test_every_config_field_is_in_every_patch():
     from megatron.mtp_tv.config import MTPLossConfig
 
     names = [f.name for f in dataclasses.fields(MTPLossConfig)]
-    assert mp.field_names() == tuple(names)
-    for name, target in sorted(mp.TARGETS.items()):
+    assert package.field_names() == tuple(names)
+    for name, target in sorted(targets.TARGETS.items()):
         text = target.patch_path.read_text()
         header = text.split('diff --git', 1)[0]
         for field in names:
@@ -174,21 +176,21 @@ def test_every_config_field_is_in_every_patch():
 
 
 def test_an_already_patched_config_is_refused_whatever_the_field():
-    files = mp.files_0192()
-    last = mp.field_names()[-1]
-    text = files[mp.CONFIG_FILE].replace(
+    files = sources.files_0192()
+    last = package.field_names()[-1]
+    text = files[layout.CONFIG_FILE].replace(
         '    mtp_num_layers: Optional[int] = None', f'    {last}: bool = False\n'
         '    mtp_num_layers: Optional[int] = None', 1)
-    with pytest.raises(mp.PatchError, match=f'already has {last}: already patched'):
-        mp.edit_config(text)
+    with pytest.raises(layout.PatchError, match=f'already has {last}: already patched'):
+        edits.edit_config(text)
 
 
 def test_patched_dispatch_keeps_every_cross_entropy_name_on_megatrons_code():
     """'cross_entropy' (upstream's name) must take the 'ce' branch in every patched tree."""
     from megatron.mtp_tv.config import CROSS_ENTROPY_NAMES
 
-    assert mp.cross_entropy_names() == CROSS_ENTROPY_NAMES
-    for name, target in sorted(mp.TARGETS.items()):
+    assert package.cross_entropy_names() == CROSS_ENTROPY_NAMES
+    for name, target in sorted(targets.TARGETS.items()):
         added = '\n'.join(line for line in target.patch_path.read_text().split('\n')
                           if line.startswith('+') and 'mtp_loss_type' in line)
         assert "!= 'ce'" not in added and "== 'ce'" not in added, name
@@ -196,11 +198,11 @@ def test_patched_dispatch_keeps_every_cross_entropy_name_on_megatrons_code():
 
 
 def test_recorded_facts_the_package_does_not_know_make_the_patch_stale():
-    target = mp.TARGETS['nvidia-dev-d48bd6be0']
+    target = targets.TARGETS['nvidia-dev-d48bd6be0']
     facts = dataclasses.replace(
         target.facts, roll_tensor_params=target.facts.roll_tensor_params + ('halo_width',)
     )
-    problems = mp.check_offline(dataclasses.replace(target, facts=facts),
+    problems = offline.check_offline(dataclasses.replace(target, facts=facts),
                                 target.patch_path.read_text())
     assert any('recorded facts' in p and "'halo_width'" in p for p in problems), problems
 
@@ -228,41 +230,41 @@ def _diffs(text: str) -> str:
 
 @needs_git
 def test_tree_mode_on_the_unpacked_wheel_gives_the_0192_patch(tmp_path):
-    tree = _write_tree(tmp_path / 'megatron-core', mp.files_0192())
+    tree = _write_tree(tmp_path / 'megatron-core', sources.files_0192())
     out = tmp_path / 'out' / 'mine.patch'
-    assert mp.main(['--tree', str(tree), '-o', str(out)]) == 0
+    assert cli.main(['--tree', str(tree), '-o', str(out)]) == 0
     text = out.read_text()
-    assert _diffs(text) == _diffs(mp.TARGETS['megatron-core-0.19.2'].patch_path.read_text())
+    assert _diffs(text) == _diffs(targets.TARGETS['megatron-core-0.19.2'].patch_path.read_text())
     assert f'megatron-mtp-tv patch for the tree {tree.resolve()}' in text
     for args in (['--check'], []):
         subprocess.run(['git', 'apply', *args, str(out)], cwd=tree, check=True)
-    for rel, want in mp.patched_files(mp.files_0192()).items():
+    for rel, want in edits.patched_files(sources.files_0192()).items():
         assert (tree / rel).read_text() == want, rel
 
 
 @needs_git
 def test_tree_mode_on_a_git_checkout_names_its_commit(tmp_path, monkeypatch, capsys):
-    tree = _write_tree(tmp_path / 'Megatron-LM', mp.files_0192())
+    tree = _write_tree(tmp_path / 'Megatron-LM', sources.files_0192())
     _git(tree, 'init', '-q')
     _git(tree, 'add', '.')
     _git(tree, 'commit', '-q', '-m', 'pristine')
     commit = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=tree, capture_output=True,
                             text=True, check=True).stdout.strip()
     monkeypatch.chdir(tmp_path)
-    assert mp.main(['--tree', str(tree)]) == 0
+    assert cli.main(['--tree', str(tree)]) == 0
     out = tmp_path / f'megatron-mtp-tv-{commit[:9]}.patch'
     assert str(out) in capsys.readouterr().out
     assert f'commit {commit}.' in out.read_text()
     # a checkout whose files differ from its HEAD where the patch goes is refused
-    mtp_file = tree / mp.MTP_FILE
+    mtp_file = tree / layout.MTP_FILE
     mtp_file.write_text(mtp_file.read_text().replace('"""Track the Multi-Token Prediction', '"""X', 1))
     out.unlink()
-    assert mp.main(['--tree', str(tree)]) == 2
+    assert cli.main(['--tree', str(tree)]) == 2
     assert 'does not apply' in capsys.readouterr().err and not out.exists()
 
 
 def _changed_0192(path, old, new):
-    files = dict(mp.files_0192())
+    files = dict(sources.files_0192())
     assert files[path].count(old) == 1, old
     files[path] = files[path].replace(old, new)
     return files
@@ -272,17 +274,17 @@ def _changed_0192(path, old, new):
 @pytest.mark.parametrize(
     'path,old,new,expected',
     [
-        (mp.MTP_FILE, '    input_ids: Optional[Tensor] = None,\n) -> Tensor:',
+        (layout.MTP_FILE, '    input_ids: Optional[Tensor] = None,\n) -> Tensor:',
          '    input_ids: Optional[Tensor] = None,\n    halo_plan=None,\n) -> Tensor:',
          "process_mtp_loss has parameter(s) ['halo_plan'] that the TV losses do not know"),
-        (mp.MTP_FILE, 'def roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, '
+        (layout.MTP_FILE, 'def roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, '
          'packed_seq_params=None):',
          'def roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None, '
          'fill_value=0):',
          "has unknown parameter(s) ['fill_value']"),
-        (mp.MTP_FILE, '    def save_metrics_to_tracker(', '    def save_stats_to_tracker(',
+        (layout.MTP_FILE, '    def save_metrics_to_tracker(', '    def save_stats_to_tracker(',
          "MTPLossLoggingHelper has none of ['save_metrics_to_tracker', 'save_loss_to_tracker']"),
-        (mp.MTP_FILE, 'def process_mtp_loss(', 'def compute_mtp_loss(',
+        (layout.MTP_FILE, 'def process_mtp_loss(', 'def compute_mtp_loss(',
          'has no process_mtp_loss'),
     ],
     ids=['process_mtp_loss-parameter', 'roll_tensor-parameter', 'tracker', 'no-mtp-loss'],
@@ -290,7 +292,7 @@ def _changed_0192(path, old, new):
 def test_tree_mode_refuses_a_fact_it_does_not_know(tmp_path, capsys, path, old, new, expected):
     tree = _write_tree(tmp_path / 'tree', _changed_0192(path, old, new))
     out = tmp_path / 'x.patch'
-    assert mp.main(['--tree', str(tree), '-o', str(out)]) == 2
+    assert cli.main(['--tree', str(tree), '-o', str(out)]) == 2
     err = capsys.readouterr().err
     assert expected in err and 'no patch written' in err, err
     assert not out.exists()

@@ -38,7 +38,7 @@ for _p in (_HERE, _ROOT):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_loss import _CEProducts, _TVProducts  # noqa: E402
+from lossbench.cases import _CEProducts, _TVProducts  # noqa: E402
 from megatron.mtp_tv.linear_tv import linear_tv_loss  # noqa: E402
 from megatron.mtp_tv.row_ops import TRITON_ENV, TorchRowOps, TritonRowOps, select_row_ops  # noqa: E402
 from tests.reference import depth_terms, objective, token_weights  # noqa: E402

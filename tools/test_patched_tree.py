@@ -28,9 +28,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / 'tools'))
 
-import make_patches  # noqa: E402
+from patchgen import sources  # noqa: E402
+from patchgen.targets import TARGETS  # noqa: E402
 
-PATCH = make_patches.TARGETS['megatron-core-0.19.2'].patch_path
+PATCH = TARGETS['megatron-core-0.19.2'].patch_path
 
 #: What runs against the patched tree by default: every test that goes through Megatron code the
 #: patch changes (config fields and validation, the generated CLI, GPTModel's MTP loss in all
@@ -50,7 +51,7 @@ PATCH_MODE_TESTS = (
 
 def unpack_and_patch(dest: Path) -> Path:
     """Unpack the 0.19.2 wheel's ``megatron/`` into ``dest`` and apply the patch there."""
-    with zipfile.ZipFile(make_patches.wheel_path()) as zf:
+    with zipfile.ZipFile(sources.wheel_path()) as zf:
         members = [m for m in zf.namelist() if m.startswith('megatron/')]
         zf.extractall(dest, members)
         for info in zf.infolist():  # keep the compiled helper executable bits
@@ -68,9 +69,9 @@ def cached_patched_tree() -> Path:
     two cores, in every process the tests spawn until the first one has written them.
     """
     key = hashlib.sha256(
-        (make_patches.WHEEL_SHA256 + hashlib.sha256(PATCH.read_bytes()).hexdigest()).encode()
+        (sources.WHEEL_SHA256 + hashlib.sha256(PATCH.read_bytes()).hexdigest()).encode()
     ).hexdigest()[:16]
-    cache = make_patches.cache_dir()  # creates it: on a fresh machine nothing else has
+    cache = sources.cache_dir()  # creates it: on a fresh machine nothing else has
     tree = cache / f'megatron-core-0.19.2-patched-{key}'
     stamp = tree / '.complete'
     if stamp.exists():

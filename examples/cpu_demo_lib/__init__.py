@@ -7,5 +7,6 @@
 * :mod:`.evaluate` - teacher-forced acceptance and real speculative decoding (T=1, greedy, a
   serving temperature).
 * :mod:`.report` - the tables, ``results.json`` and the two plots.
-* :mod:`.progress` - a dependency-free progress bar.
+
+The progress bars are tqdm's (``progress_bar`` in ``examples/cpu_demo.py``).
 """

@@ -62,7 +62,8 @@ from typing import Callable, Literal, NamedTuple, Optional, Sequence
 import torch
 
 from .losses import DraftLoss, make_loss
-from .row_ops import Scratch, select_row_ops
+from .row_ops import select_row_ops
+from .scratch import Scratch
 from .vocab_parallel import ProcessGroup, all_reduce_sum_, group_size, vocab_range
 
 TVLossType = Literal['tv', 'e2e_tv', 'kl', 'lk', 'nla']

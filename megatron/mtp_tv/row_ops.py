@@ -22,10 +22,11 @@ normaliser, then the sums, then the gradient) and never materialises ``p`` or ``
 """
 
 import os
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
+from .scratch import Scratch
 from .vocab_parallel import ProcessGroup, combine_row_stats, group_size
 
 #: ``auto`` (default): Triton on CUDA fp32 logits; ``0``: always torch; ``1``: require Triton.
@@ -58,23 +59,6 @@ class PairSums(NamedTuple):
     """``[n]`` ``sum_v q_v 1[q_v < p_v]``, when asked for."""
     kl: Optional[torch.Tensor]
     """``[n]`` ``sum_v p_v log(p_v / q_v)``, when asked for."""
-
-
-class Scratch:
-    """Named buffers reused from one chunk to the next; each only ever grows."""
-
-    def __init__(self):
-        self._buffers: Dict[str, torch.Tensor] = {}
-
-    def take(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """An uninitialised ``shape`` view of buffer ``name``."""
-        numel = 1
-        for size in shape:
-            numel *= size
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
-            buf = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device)
-        return buf[:numel].view(shape)
 
 
 class TorchRowOps:

@@ -1,4 +1,4 @@
-"""CPU memory accounting for the loss benchmark (``tools/bench_loss.py``).
+"""CPU memory accounting for the loss benchmark (``tools/bench_loss.py``, :mod:`lossbench`).
 
 torch keeps no allocator statistics for CPU tensors, so two small instruments stand in:
 

@@ -1,0 +1,263 @@
+"""What the benchmark measures: one :class:`Case` per implementation and shape, and the builders
+of each row group's cases (``loss``: the per-depth loss against matmul + Megatron's CE, and the
+matrix products alone; ``mtp``: Megatron's ``process_mtp_loss`` through the plugin).
+"""
+
+import contextlib
+import gc
+import os
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .memory import LiveBytesTracker, SavedTensorsCounter
+
+#: MTP-path cases beside the depth-1 'tv' row: the cold-start losses and the default chunk.
+EXTRA_MTP_TYPES = ('kl', 'lk', 'nla')
+
+
+class Case:
+    """One implementation at one shape: ``step()`` runs forward+backward and drops the result.
+
+    ``forward()`` returns the tensor whose ``.sum().backward()`` is the backward pass; ``reset()``
+    clears the gradients of the leaves (outside the timed region).
+    """
+
+    def __init__(self, forward: Callable[[], torch.Tensor], leaves: List[torch.Tensor],
+                 env: Optional[Dict[str, str]] = None):
+        self.forward = forward
+        self.leaves = leaves
+        self.env = env or {}
+
+    @contextlib.contextmanager
+    def environment(self):
+        old = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            yield
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def reset(self) -> None:
+        for leaf in self.leaves:
+            leaf.grad = None
+
+    def step(self) -> None:
+        with self.environment():
+            out = self.forward()
+            out.sum().backward()
+
+    def memory(self) -> Dict[str, float]:
+        """Peak extra bytes of fwd+bwd and bytes saved for backward (one untimed run)."""
+        self.reset()
+        gc.collect()
+        with self.environment():
+            tracker = LiveBytesTracker()
+            with tracker:
+                tracker.mark('forward')
+                with SavedTensorsCounter(tracker) as saved:
+                    out = self.forward().sum()
+                tracker.mark('backward')
+                out.backward()
+                del out
+            peak, saved_bytes = tracker.peak, saved.bytes
+            fwd_peak, bwd_peak = tracker.phase_peak('forward'), tracker.phase_peak('backward')
+        denormal = max(_denormal_fraction(leaf.grad) for leaf in self.leaves)
+        self.reset()
+        return {'peak': peak, 'fwd_peak': fwd_peak, 'bwd_peak': bwd_peak, 'saved': saved_bytes,
+                'saved_tensors': saved.tensors, 'denormal_grad_fraction': denormal}
+
+
+def _denormal_fraction(grad: Optional[torch.Tensor]) -> float:
+    """Share of subnormal values in ``grad``: x86 GEMMs on them run many times slower, so a
+    benchmark whose gradients are full of them measures the FPU, not the loss."""
+    if grad is None or not grad.is_floating_point():
+        return 0.0
+    tiny = torch.finfo(grad.dtype).tiny
+    g = grad.detach().abs()
+    return float(((g < tiny) & (g > 0)).float().mean())
+
+
+def loss_cases(s: int, h: int, V: int, chunk: int, tp_group, tp_rank: int, tp: int,
+               seed: int = 0) -> Dict[str, Case]:
+    """Per-depth loss on one depth: CE (matmul + vocab_parallel_cross_entropy) vs TV."""
+    from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    from megatron.mtp_tv.linear_tv import linear_tv_loss
+
+    b = 1
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(s, b, h, generator=g).requires_grad_()
+    # The target: another hidden state, close enough that p and q overlap (alpha ~ 0.5).
+    target = hidden.detach() + torch.randn(s, b, h, generator=g)
+    full_weight = torch.randn(V, h, generator=g) * 0.02 * 4  # logits std ~ 2.5 at h=1024
+    shard = V // tp
+    weight = full_weight[tp_rank * shard : (tp_rank + 1) * shard].clone().requires_grad_()
+    del full_weight
+    labels = torch.randint(0, V, (s, b), generator=g)
+    ce_weights = torch.full((s, b), 1.0 / (s * b))
+    tv_weights = torch.full((1, s, b), 1.0 / (s * b))
+
+    def into_tp(x):
+        return copy_to_tensor_model_parallel_region(x, tp_group) if tp > 1 else x
+
+    def ce():
+        logits = torch.matmul(into_tp(hidden), weight.t())
+        return vocab_parallel_cross_entropy(logits, labels, tp_group=tp_group) * ce_weights
+
+    def tv(fused):
+        def run():
+            draft = into_tp(hidden).unsqueeze(0)
+            return linear_tv_loss(draft, target, weight, tv_weights, 'tv', chunk_size=chunk,
+                                  tp_group=tp_group if tp > 1 else None, fused=fused).loss
+        return run
+
+    def ce_products():
+        return _CEProducts.apply(into_tp(hidden).view(s * b, h), weight)
+
+    def tv_products():
+        draft = into_tp(hidden).view(s * b, h)
+        return _TVProducts.apply(draft, target.view(s * b, h), weight, max(1, chunk // b) * b)
+
+    leaves = [hidden, weight]
+    return {'ce': Case(ce, leaves), 'tv': Case(tv(True), leaves),
+            'tv-recompute': Case(tv(False), leaves),
+            # The matrix products alone, same shapes, nothing else: the floor of each side.
+            'ce-products': Case(ce_products, leaves), 'tv-products': Case(tv_products, leaves)}
+
+
+class _CEProducts(torch.autograd.Function):
+    """CE's three products: ``z = x W^T`` (materialised, as CE does), then ``g x``-side and
+    ``g^T x`` with ``g = z`` standing in for the logit gradient (same shape, no softmax)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        z = x @ weight.t()
+        ctx.save_for_backward(x, weight, z)
+        return z.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _grad):
+        x, weight, z = ctx.saved_tensors
+        return z @ weight, z.t() @ x
+
+
+class _TVProducts(torch.autograd.Function):
+    """The fused TV sweep's four products per chunk (target and draft rows in one projection
+    into a reused buffer, ``g @ W`` and ``g^T x`` in forward) with the draft logits standing in
+    for the logit gradient: what the sweep costs with free row passes."""
+
+    @staticmethod
+    def forward(ctx, draft, target, weight, chunk):
+        n_tok, h = draft.shape
+        grad_x, grad_w = torch.empty_like(draft), torch.empty_like(weight)
+        inputs = draft.new_empty(2 * chunk + 1, h)
+        logits = draft.new_empty(2 * chunk + 1, weight.shape[0])
+        for start in range(0, n_tok, chunk):
+            stop = min(start + chunk, n_tok)
+            n, n_t = stop - start, min(stop + 1, n_tok) - (start + 1)
+            x = draft[start:stop]
+            m = n_t + n
+            torch.cat([target[start + 1 : start + 1 + n_t], x], out=inputs[:m])
+            torch.mm(inputs[:m], weight.t(), out=logits[:m])
+            g = logits[n_t:m]
+            torch.mm(g, weight, out=grad_x[start:stop])
+            grad_w.addmm_(g.t(), x, beta=1.0 if start else 0.0)
+        ctx.save_for_backward(grad_x, grad_w)
+        return draft.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x.mul_(grad), grad_w.mul_(grad), None, None, None
+
+
+class _LanguageModelStub:
+    """What ``process_mtp_loss`` needs of a GPTModel: ``compute_language_model_loss``.
+
+    Calls ``LanguageModule.compute_language_model_loss`` itself (Megatron's code: vocab-parallel
+    CE, or the fused one when ``config.cross_entropy_loss_fusion``).
+    """
+
+    def __init__(self, config, tp_group):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        self.config = config
+        self.tp_group = tp_group
+        self.pg_collection = ProcessGroupCollection(tp=tp_group)
+
+    def compute_language_model_loss(self, labels, logits):
+        from megatron.core.models.common.language_module.language_module import LanguageModule
+
+        return LanguageModule.compute_language_model_loss(self, labels, logits)
+
+
+def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
+              tv_type: str, seed: int = 0) -> Dict[str, Case]:
+    """Megatron's MTP loss path, ``process_mtp_loss`` via the plugin dispatcher."""
+    import megatron.mtp_tv
+    from megatron.core.models.gpt import gpt_model
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.mtp_tv.mtp_loss import FUSED_ENV
+
+    megatron.mtp_tv.install()
+
+    def config(loss_type, chunk=chunk):
+        return TransformerConfig(
+            num_layers=1, hidden_size=h, num_attention_heads=8, mtp_num_layers=G,
+            tensor_model_parallel_size=tp, use_cpu_initialization=True,
+            params_dtype=torch.float32, mtp_loss_type=loss_type, mtp_tv_chunk=chunk,
+        )
+
+    ce_config = config('ce')
+    # The weight must not share a seed with the hidden states below: the same normal draws in
+    # both make W's first rows copies of the hidden rows, logits of ~80, probabilities below
+    # 1e-38 and gradient GEMMs on denormals (50x slower on x86).
+    torch.manual_seed(seed + 7919)
+    output_layer = ColumnParallelLinear(
+        h, V, config=ce_config, init_method=torch.nn.init.normal_, bias=False,
+        skip_bias_add=False, gather_output=False, tp_group=tp_group,
+    )
+    with torch.no_grad():
+        output_layer.weight.mul_(0.08)  # logits std ~ 2.5, as in the loss rows
+    b = 1
+    g = torch.Generator().manual_seed(seed)
+    main = torch.randn(s, b, h, generator=g)
+    drafts = [main + torch.randn(s, b, h, generator=g) for _ in range(G)]
+    hidden = torch.cat([main] + drafts).requires_grad_()  # [(1+G)*s, b, h]
+    del main, drafts
+    labels = torch.randint(0, V, (b, s), generator=g)
+    loss_mask = torch.ones(b, s)
+
+    def run(cfg):
+        stub = _LanguageModelStub(cfg, tp_group)
+
+        def forward():
+            return gpt_model.process_mtp_loss(
+                hidden_states=hidden, labels=labels, loss_mask=loss_mask,
+                output_layer=output_layer, output_weight=None, runtime_gather_output=None,
+                is_training=True, compute_language_model_loss=stub.compute_language_model_loss,
+                config=cfg, cp_group=None, tp_group=tp_group, packed_seq_params=None,
+            )
+        return forward
+
+    leaves = [hidden, output_layer.weight]
+    tv_config = config(tv_type)
+    cases = {
+        'ce': Case(run(ce_config), leaves),
+        tv_type: Case(run(tv_config), leaves, env={FUSED_ENV: '1'}),
+        f'{tv_type}-recompute': Case(run(tv_config), leaves, env={FUSED_ENV: '0'}),
+    }
+    if G == 1:
+        for loss_type in EXTRA_MTP_TYPES:
+            cases[loss_type] = Case(run(config(loss_type)), leaves, env={FUSED_ENV: '1'})
+        if chunk != 0:  # mtp_tv_chunk=0 is the default: what a user who sets nothing gets
+            cases[f'{tv_type}-auto'] = Case(run(config(tv_type, 0)), leaves, env={FUSED_ENV: '1'})
+    return cases

@@ -1,0 +1,131 @@
+"""Benchmark the MTP TV losses against Megatron's cross-entropy, CPU fp32, side by side.
+
+The command line of ``tools/bench_loss.py`` (the row groups are described in :mod:`lossbench`):
+parse the arguments, run the selected groups, print the report and write it as JSON.
+"""
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from typing import List
+
+import torch
+
+from .report import apply_targets, product_floors, render
+from .runs import cpu_count, run_loss, run_mtp, run_tp
+
+
+def parse_args(argv=None):
+    def ints(text):
+        return [int(x) for x in text.split(',') if x.strip()]
+
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--seqs', type=ints, default=None, help='sequence lengths (default 1024,4096,8192)')
+    p.add_argument('--mtp-seqs', type=ints, default=None,
+                   help="'mtp' rows with G=1 (default: the --seqs >= 4096)")
+    p.add_argument('--e2e-seqs', type=ints, default=None,
+                   help="'mtp' rows with e2e_tv and G=--e2e-depth (default: the smallest --mtp-seqs)")
+    p.add_argument('--e2e-depth', type=int, default=3)
+    p.add_argument('--hidden', type=int, default=None)
+    p.add_argument('--vocab', type=int, default=None)
+    p.add_argument('--chunk', type=int, default=None)
+    p.add_argument('--repeats', type=int, default=None)
+    p.add_argument('--warmup', type=int, default=None)
+    p.add_argument('--tp', type=ints, default=[1, 2], help='TP sizes for the loss rows (1,2)')
+    p.add_argument('--cases', default='loss,mtp,tp', help='subset of loss,mtp,tp')
+    p.add_argument('--threads', type=int, default=0, help='torch threads (0: all cores)')
+    p.add_argument('--tp-timeout', type=float, default=7200.0)
+    p.add_argument('--quick', action='store_true', help='tiny shapes (smoke test)')
+    p.add_argument('--json', default=None, help='also write the report as JSON here')
+    p.add_argument('--label', default='',
+                   help='free text for the report header (e.g. which revision of the loss code)')
+    args = p.parse_args(argv)
+    full = dict(seqs=[1024, 4096, 8192], hidden=1024, vocab=32768, chunk=512, repeats=3, warmup=1)
+    quick = dict(seqs=[64, 128], hidden=64, vocab=512, chunk=32, repeats=1, warmup=0)
+    for k, v in (quick if args.quick else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.mtp_seqs is None:
+        args.mtp_seqs = [s for s in args.seqs if s >= 4096] or list(args.seqs)
+    if args.e2e_seqs is None:
+        args.e2e_seqs = args.mtp_seqs[:1]
+    args.cases = [c.strip() for c in args.cases.split(',') if c.strip()]
+    bad = set(args.cases) - {'loss', 'mtp', 'tp'}
+    if bad:
+        p.error(f"unknown --cases {sorted(bad)}")
+    if args.vocab % max(args.tp) != 0:
+        p.error(f"--vocab {args.vocab} must be divisible by every --tp")
+    return args
+
+
+def _dist_version(name: str) -> str:
+    # megatron.core.__version__ appends the short hash of whatever git tree holds the venv.
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return '?'
+
+
+def _git_head(path: str) -> str:
+    import subprocess
+
+    try:
+        head = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=path, text=True,
+                              capture_output=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no', '.'],
+                               cwd=path, text=True, capture_output=True, timeout=10).stdout.strip()
+        return (head + (' (+uncommitted changes)' if dirty else '')) or 'not a git tree'
+    except (OSError, subprocess.SubprocessError):
+        return 'unknown'
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    threads = args.threads or cpu_count()
+    torch.set_num_threads(threads)
+    command = ' '.join(shlex.quote(a) for a in [sys.executable, 'tools/bench_loss.py', *argv])
+    print(f"command: {command}", flush=True)
+    import megatron.mtp_tv  # noqa: F401  (its location goes into the report)
+    from megatron.mtp_tv.testing.distributed import single_process
+
+    log = lambda *a: print(time.strftime('%H:%M:%S'), *a, flush=True)  # noqa: E731
+    t0 = time.perf_counter()
+    rows: List[dict] = []
+    if 1 in args.tp or 'mtp' in args.cases:
+        with single_process():
+            if 'loss' in args.cases and 1 in args.tp:
+                rows += run_loss(args, log=log)
+            if 'mtp' in args.cases:
+                rows += run_mtp(args, log=log)
+    if 'tp' in args.cases:
+        for tp in args.tp:
+            if tp > 1:
+                rows += run_tp(args, tp, log=log)
+    summaries = apply_targets(rows, args)
+    report = {
+        'command': command,
+        'args': {k: v for k, v in vars(args).items()},
+        'environment': {
+            'torch': torch.__version__, 'megatron_core': _dist_version('megatron-core'),
+            'python': platform.python_version(), 'cpu': platform.processor() or platform.machine(),
+            'threads': threads, 'threads_tp': max(1, cpu_count() // max(args.tp)),
+            'mtp_tv': os.path.dirname(sys.modules['megatron.mtp_tv'].__file__),
+            'git': _git_head(os.path.dirname(sys.modules['megatron.mtp_tv'].__file__)),
+        },
+        'wall_s': time.perf_counter() - t0,
+        'rows': rows,
+        'summaries': summaries,
+        'floors': product_floors(rows),
+    }
+    print(render(report), flush=True)
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump(report, f, indent=1)
+    return report

@@ -1,0 +1,102 @@
+"""The runs: each row group's shapes measured and turned into report rows, the TP=2 rows in
+gloo processes (one per rank, the slowest rank's time kept).
+"""
+
+import argparse
+import os
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from .cases import loss_cases, mtp_cases
+from .memory import MiB
+from .timing import measure
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+
+def _rows(group: str, seq: int, tp: int, G: int, results: Dict[str, dict], tokens: int,
+          extra: Optional[dict] = None) -> List[dict]:
+    base = results['ce']['time']
+    rows = []
+    for impl, r in results.items():
+        rows.append({
+            'case': group, 'seq': seq, 'tp': tp, 'G': G, 'impl': impl, 'tokens': tokens,
+            'time_s': r['time'], 'times_s': r['times'],
+            'ratio': r['time'] / base if impl != 'ce' else 1.0,
+            'peak_mib': r['peak'] / MiB, 'fwd_peak_mib': r['fwd_peak'] / MiB,
+            'bwd_peak_mib': r['bwd_peak'] / MiB,
+            'peak_mib_per_rank': [r['peak'] / MiB],
+            'saved_bytes': r['saved'], 'saved_per_token': r['saved'] / tokens,
+            'saved_tensors': r['saved_tensors'][:12],
+            'denormal_grad_fraction': r['denormal_grad_fraction'],
+            **(extra or {}),
+        })
+    return rows
+
+
+def run_loss(args, tp_group=None, tp_rank=0, tp=1, sync=None, log=print) -> List[dict]:
+    rows = []
+    for s in args.seqs:
+        cases = loss_cases(s, args.hidden, args.vocab, args.chunk, tp_group, tp_rank, tp)
+        res = measure(cases, args.repeats, args.warmup, sync)
+        rows += _rows('loss' if tp == 1 else 'tp', s, tp, 1, res, s)
+        log(f"  loss tp={tp} s={s}: " + ", ".join(f"{k} {v['time']:.3f}s" for k, v in res.items()))
+        del cases, res
+    return rows
+
+
+def run_mtp(args, log=print) -> List[dict]:
+    from megatron.mtp_tv.testing.distributed import reset_mtp_tracker
+
+    rows = []
+    for G, tv_type, seqs in ((1, 'tv', args.mtp_seqs), (args.e2e_depth, 'e2e_tv', args.e2e_seqs)):
+        for s in seqs:
+            # Megatron's MTP metrics tracker is sized by the first call's depth count.
+            reset_mtp_tracker()
+            cases = mtp_cases(G, s, args.hidden, args.vocab, args.chunk, None, 1, tv_type)
+            res = measure(cases, args.repeats, args.warmup)
+            rows += _rows('mtp', s, 1, G, res, G * s)
+            log(f"  mtp G={G} s={s}: " + ", ".join(f"{k} {v['time']:.3f}s" for k, v in res.items()))
+            del cases, res
+    return rows
+
+
+def _tp_worker(rank: int, args_dict: dict) -> List[dict]:
+    """One rank of the TP run (inside ``megatron.mtp_tv.testing.distributed.spawn``)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    args = argparse.Namespace(**args_dict)
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp = dist.get_world_size(group)
+
+    def sync(dt: float) -> float:
+        t = torch.tensor([dt], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return float(t)
+
+    rows = run_loss(args, group, parallel_state.get_tensor_model_parallel_rank(), tp, sync,
+                    log=(lambda *a: print(time.strftime('%H:%M:%S'), *a, flush=True))
+                    if rank == 0 else (lambda *a: None))
+    return rows
+
+
+def run_tp(args, tp: int, log=print) -> List[dict]:
+    from megatron.mtp_tv.testing.distributed import spawn
+
+    per_rank = spawn(_tp_worker, tp, vars(args), tp=tp, timeout=args.tp_timeout)
+    rows = per_rank[0]
+    for i, row in enumerate(rows):
+        row['peak_mib_per_rank'] = [r[i]['peak_mib'] for r in per_rank]
+        row['peak_mib'] = max(row['peak_mib_per_rank'])
+        row['threads_per_rank'] = max(1, cpu_count() // tp)
+    return rows
+

@@ -1,0 +1,201 @@
+"""AST-anchored edits of the pristine Megatron files, and the unified diffs that make them.
+
+One function per touched file (:func:`edit_config`, :func:`edit_mtp`, :func:`edit_gpt`) finds
+where each snippet goes and records it on an :class:`Editor`, which renders the result and the
+diff.
+"""
+
+import ast
+from typing import Dict, List, Tuple
+
+from .facts import _find_class, _find_function, _inline_if
+from .layout import CONFIG_FILE, GPT_FILE, INLINE_CONDITION, MTP_FILE, TARGET_PACKAGE, PatchError
+from .package import field_names, shipped_modules
+from .snippets import (
+    snippet_config_import, snippet_fields, snippet_inline_gpt, snippet_process_mtp_loss,
+    snippet_track_metrics, snippet_validate,
+)
+
+
+def _after_docstring(fn) -> int:
+    """0-based line index just after the docstring of ``fn`` (or after its ``def`` line)."""
+    first = fn.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(
+        first.value.value, str
+    ):
+        return first.end_lineno
+    return first.lineno - 1
+
+
+class Editor:
+    """Line insertions/replacements on one file, and the unified diff that makes them.
+
+    The diff is built from the edits themselves (3 lines of context, overlapping hunks merged),
+    not by a diff algorithm: every rendered line is an added line and every replaced line a
+    removed one, which is what the offline staleness check compares.
+    """
+
+    CONTEXT = 3
+
+    def __init__(self, text: str):
+        if not text.endswith('\n'):
+            raise PatchError('pristine file does not end with a newline')
+        self.lines = text.split('\n')[:-1]
+        self.edits: List[Tuple[int, int, List[str]]] = []  # (start, stop, new lines), 0-based
+
+    def insert(self, index: int, new: List[str]) -> None:
+        self.edits.append((index, index, new))
+
+    def replace(self, index: int, new: List[str]) -> None:
+        self.edits.append((index, index + 1, new))
+
+    def _sorted(self):
+        edits = sorted(self.edits, key=lambda e: (e[0], e[1]))
+        for (a0, a1, _), (b0, _, _) in zip(edits, edits[1:]):
+            if b0 < a1:
+                raise PatchError('overlapping edits')
+        return edits
+
+    def result(self) -> str:
+        lines = list(self.lines)
+        for start, stop, new in reversed(self._sorted()):
+            lines[start:stop] = new
+        return '\n'.join(lines) + '\n'
+
+    def diff(self, path: str) -> str:
+        edits = self._sorted()
+        if not edits:
+            return ''
+        n, c = len(self.lines), self.CONTEXT
+        groups: List[List[Tuple[int, int, List[str]]]] = []
+        for e in edits:
+            if groups and e[0] - c <= groups[-1][-1][1] + c:
+                groups[-1].append(e)
+            else:
+                groups.append([e])
+        out = [f'diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n']
+        offset = 0  # new line number - old line number before the current hunk
+        for group in groups:
+            lo, hi = max(0, group[0][0] - c), min(n, group[-1][1] + c)
+            body, pos, added, removed = [], lo, 0, 0
+            for start, stop, new in group:
+                body += [' ' + line for line in self.lines[pos:start]]
+                body += ['-' + line for line in self.lines[start:stop]]
+                body += ['+' + line for line in new]
+                added, removed, pos = added + len(new), removed + stop - start, stop
+            body += [' ' + line for line in self.lines[pos:hi]]
+            old_len = hi - lo
+            new_len = old_len - removed + added
+            out.append(f'@@ -{lo + 1},{old_len} +{lo + 1 + offset},{new_len} @@\n')
+            out.append(''.join(line + '\n' for line in body))
+            offset += added - removed
+        return ''.join(out)
+
+
+
+def edit_config(text: str) -> str:
+    tree = ast.parse(text)
+    ed = Editor(text)
+    lines = ed.lines
+    if not any(
+        isinstance(n, ast.ImportFrom) and n.module == 'typing' and any(a.name == 'Literal' for a in n.names)
+        for n in tree.body
+    ):
+        raise PatchError(f'{CONFIG_FILE} does not import typing.Literal')
+    imports = [
+        n for n in tree.body
+        if isinstance(n, ast.ImportFrom) and (n.module or '').startswith('megatron.core.transformer.')
+    ]
+    if not imports:
+        raise PatchError(f'{CONFIG_FILE}: no megatron.core.transformer imports to anchor on')
+    ed.insert(imports[-1].end_lineno, snippet_config_import())
+
+    cls = _find_class(tree, 'TransformerConfig')
+    body = cls.body
+    names = field_names()
+    last_mtp = None
+    for i, node in enumerate(body):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if node.target.id in names:
+                raise PatchError(f'{CONFIG_FILE} already has {node.target.id}: already patched?')
+            if node.target.id.startswith('mtp_'):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                doc = isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, 'value', None), ast.Constant)
+                last_mtp = (nxt if doc else node).end_lineno
+    if last_mtp is None:
+        raise PatchError(f'{CONFIG_FILE}: TransformerConfig has no mtp_* field')
+    ed.insert(last_mtp, snippet_fields())
+
+    post = _find_function(body, '__post_init__')
+    if post is None:
+        raise PatchError(f'{CONFIG_FILE}: TransformerConfig has no __post_init__')
+    for node in ast.walk(post):
+        if isinstance(node, ast.Return) and _enclosing_function(post, node) is post:
+            raise PatchError(f'{CONFIG_FILE}: __post_init__ returns early (line {node.lineno})')
+    ed.insert(post.end_lineno, snippet_validate())
+    return ed
+
+
+def _enclosing_function(root, target):
+    """The innermost function (or lambda) of ``root`` containing ``target``."""
+    best = root
+    for node in ast.walk(root):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and node is not root:
+            if node.lineno <= target.lineno <= node.end_lineno:
+                best = node
+    return best
+
+
+def edit_mtp(text: str) -> str:
+    tree = ast.parse(text)
+    ed = Editor(text)
+    helper = _find_class(tree, 'MTPLossLoggingHelper')
+    track = _find_function(helper.body, 'track_mtp_metrics')
+    if track is None or [a.arg for a in track.args.args[:4]] != [
+        'loss_scale', 'iteration', 'writer', 'wandb_writer'
+    ]:
+        raise PatchError(f'{MTP_FILE}: MTPLossLoggingHelper.track_mtp_metrics not as expected')
+    ed.insert(_after_docstring(track), snippet_track_metrics())
+    fn = _find_function(tree.body, 'process_mtp_loss')
+    if fn is not None:
+        params = [a.arg for a in fn.args.args + fn.args.kwonlyargs]
+        missing = {'hidden_states', 'config', 'is_training'} - set(params)
+        if missing:
+            raise PatchError(f'{MTP_FILE}: process_mtp_loss lacks {sorted(missing)}')
+        ed.insert(_after_docstring(fn), snippet_process_mtp_loss(params))
+    return ed
+
+
+def edit_gpt(text: str) -> str:
+    node = _inline_if(text)
+    ed = Editor(text)
+    if node is None:
+        return ed
+    line = ed.lines[node.lineno - 1]
+    if line.strip() != f'if {INLINE_CONDITION}:' or not line.startswith('        if'):
+        raise PatchError(f'{GPT_FILE}:{node.lineno}: inline MTP branch not on one line: {line!r}')
+    index = node.lineno - 1
+    # keep the comment that introduces the branch right above it
+    while ed.lines[index - 1].strip().startswith('#'):
+        index -= 1
+    before, replace = snippet_inline_gpt()
+    ed.insert(index, before)
+    ed.replace(node.lineno - 1, replace)
+    return ed
+
+
+def megatron_edits(files: Dict[str, str]) -> Dict[str, Editor]:
+    """The edits of each touched Megatron file (pristine text in ``files``)."""
+    return {
+        CONFIG_FILE: edit_config(files[CONFIG_FILE]),
+        MTP_FILE: edit_mtp(files[MTP_FILE]),
+        GPT_FILE: edit_gpt(files[GPT_FILE]),
+    }
+
+
+def patched_files(files: Dict[str, str]) -> Dict[str, str]:
+    """What the patch turns the tree into: the patched Megatron files and the new package files."""
+    out = {path: ed.result() for path, ed in megatron_edits(files).items()}
+    for rel, text in shipped_modules().items():
+        out[f'{TARGET_PACKAGE}/{rel}'] = text
+    return out

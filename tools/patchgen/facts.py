@@ -1,0 +1,124 @@
+"""Facts: what the rendered edits depend on in a pristine Megatron tree.
+
+:func:`derive_facts` reads them from a tree's source (with :mod:`ast`), :func:`fact_problems`
+checks each against what the package knows (the same checks ``install()`` makes in plugin mode),
+and :func:`check_facts` refuses a tree with an unknown one, naming it.
+"""
+
+import ast
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from .layout import GPT_FILE, INLINE_CONDITION, MTP_FILE, PatchError
+from .package import plugin_checks, tv_loss_params, tv_loss_required_params
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the rendered edits depend on in a pristine tree (checked when it is regenerated)."""
+
+    process_mtp_loss_params: Optional[Tuple[str, ...]]
+    """Parameters of ``process_mtp_loss`` (None: the tree has no such function)."""
+    inline_gpt_loss: bool
+    """Whether ``GPTModel._postprocess`` computes the MTP loss inline (radixark miles-main)."""
+    roll_tensor_params: Tuple[str, ...]
+    """Parameters of ``roll_tensor`` (its form: one tensor, or a list of them)."""
+    tracker_api: Tuple[str, ...]
+    """``(method, *parameters)`` of the ``MTPLossLoggingHelper`` method the metrics record the
+    per-depth loss with (``save_metrics_to_tracker``, else ``save_loss_to_tracker``)."""
+
+
+
+def _find_class(tree: ast.Module, name: str) -> ast.ClassDef:
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    raise PatchError(f'class {name} not found')
+
+
+def _find_function(body, name: str):
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            return node
+    return None
+
+
+
+def _params(fn) -> Tuple[str, ...]:
+    return tuple(a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs)
+
+
+def derive_facts(files: Dict[str, str]) -> Facts:
+    """The facts the rendered edits and the package's code depend on, read from the tree."""
+    mtp = ast.parse(files[MTP_FILE])
+    fn = _find_function(mtp.body, 'process_mtp_loss')
+    roll = _find_function(mtp.body, 'roll_tensor')
+    tracker_api: Tuple[str, ...] = ()
+    helper = next(
+        (n for n in mtp.body if isinstance(n, ast.ClassDef) and n.name == 'MTPLossLoggingHelper'),
+        None,
+    )
+    if helper is not None:
+        for name in plugin_checks()['TRACKER_APIS']:  # the order metrics.py tries them in
+            method = _find_function(helper.body, name)
+            if method is not None:
+                tracker_api = (name,) + _params(method)
+                break
+    return Facts(
+        process_mtp_loss_params=None if fn is None else _params(fn),
+        inline_gpt_loss=_inline_if(files[GPT_FILE]) is not None,
+        roll_tensor_params=() if roll is None else _params(roll),
+        tracker_api=tracker_api,
+    )
+
+
+def fact_problems(facts: Facts) -> List[str]:
+    """What in ``facts`` the generator or the package does not know (empty: all known).
+
+    The same checks as ``install()`` makes in plugin mode (megatron/mtp_tv/plugin.py), plus:
+    the tree must have an MTP loss this generator can hook (``process_mtp_loss``, or the inline
+    branch of radixark miles-main's ``GPTModel._postprocess``).
+    """
+    checks = plugin_checks()
+    problems = []
+    if facts.process_mtp_loss_params is None and not facts.inline_gpt_loss:
+        problems.append(
+            f'MTP loss: {MTP_FILE} has no process_mtp_loss and {GPT_FILE} has no inline MTP loss '
+            f'branch `if {INLINE_CONDITION}:` in GPTModel._postprocess'
+        )
+    if facts.process_mtp_loss_params is not None:
+        problems.append(checks['process_mtp_loss_problem'](
+            facts.process_mtp_loss_params, tv_loss_params(), tv_loss_required_params()
+        ))
+    if not facts.roll_tensor_params:
+        problems.append(f'{MTP_FILE} has no roll_tensor')
+    else:
+        problems.append(checks['roll_tensor_problem'](facts.roll_tensor_params))
+    if not facts.tracker_api:
+        problems.append(checks['tracker_problem']({}))
+    else:
+        problems.append(checks['tracker_problem']({facts.tracker_api[0]: facts.tracker_api[1:]}))
+    return [p for p in problems if p]
+
+
+def _inline_if(text: str) -> Optional[ast.If]:
+    tree = ast.parse(text)
+    post = _find_function(_find_class(tree, 'GPTModel').body, '_postprocess')
+    if post is None:
+        return None
+    for node in ast.walk(post):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == INLINE_CONDITION:
+            return node
+    return None
+
+
+def check_facts(name: str, facts: Facts) -> None:
+    """Raise :class:`PatchError` naming every fact of a tree the generator does not know."""
+    problems = fact_problems(facts)
+    if problems:
+        raise PatchError(
+            f'{name}: this tree has MTP code the generator does not know, no patch written:\n  '
+            + '\n  '.join(problems)
+            + '\nA patch made anyway could apply and then misbehave. Use a supported tree '
+            '(README, Patches) or teach megatron/mtp_tv (plugin.py lists what it knows).'
+        )

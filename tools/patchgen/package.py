@@ -1,0 +1,135 @@
+"""The package side: what a patch takes from ``megatron/mtp_tv``, read from its source.
+
+The modules it ships (:func:`shipped_modules`), the ``TransformerConfig`` fields it copies
+(:func:`fields_block`), the parameters of ``process_mtp_tv_loss`` and the literals and checks of
+``plugin.py``. Read with :mod:`ast`, never imported: the package imports Megatron, the generator
+must run without it.
+"""
+
+import ast
+import re
+import textwrap
+from pathlib import Path
+from typing import Dict, Sequence, Tuple
+
+from .layout import REPO, TARGET_MODULE, PatchError
+
+#: The package source. Only this module reads it (tests point it at a changed copy).
+PACKAGE_DIR = REPO / 'megatron' / 'mtp_tv'
+#: Package files that only make sense for the plugin (or for tests) and are not shipped.
+NOT_SHIPPED = ('launch.py', 'startup_hook.py')
+NOT_SHIPPED_DIRS = ('testing',)
+
+
+def shipped_modules() -> Dict[str, str]:
+    """``{relative path in the package: source}`` of the modules a patch carries."""
+    out = {}
+    for path in sorted(PACKAGE_DIR.rglob('*.py')):
+        rel = path.relative_to(PACKAGE_DIR)
+        if rel.parts[0] in NOT_SHIPPED_DIRS or rel.name in NOT_SHIPPED or '__pycache__' in rel.parts:
+            continue
+        text = path.read_text()
+        _check_relocatable(rel.as_posix(), text)
+        out[rel.as_posix()] = text
+    return out
+
+
+def _check_relocatable(rel: str, text: str) -> None:
+    """The shipped modules must import each other relatively (they move in patch mode)."""
+    if text and not text.endswith('\n'):
+        raise PatchError(f'megatron/mtp_tv/{rel} does not end with a newline')
+    for node in ast.walk(ast.parse(text)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        for name in names:
+            if name == 'megatron.mtp_tv' or name.startswith('megatron.mtp_tv.'):
+                raise PatchError(
+                    f'megatron/mtp_tv/{rel}:{node.lineno} imports {name} absolutely; shipped '
+                    f'modules must use relative imports so that the patch can carry them to '
+                    f'{TARGET_MODULE}.'
+                )
+
+
+def fields_block() -> str:
+    """The field definitions of ``MTPLossConfig``, as they appear in config.py (4-space body)."""
+    text = (PACKAGE_DIR / 'config.py').read_text()
+    match = re.search(r'^# BEGIN MTP_TV FIELDS.*?\n(.*?)^# END MTP_TV FIELDS', text, re.S | re.M)
+    if not match:
+        raise PatchError('megatron/mtp_tv/config.py has no BEGIN/END MTP_TV FIELDS block')
+    block = match.group(1)
+    cls = next(n for n in ast.parse(block).body if isinstance(n, ast.ClassDef))
+    body = cls.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the class docstring
+    lines = block.splitlines()
+    first = body[0].lineno - 1
+    return '\n'.join(lines[first : cls.end_lineno]).rstrip() + '\n'
+
+
+def field_names() -> Tuple[str, ...]:
+    """Every field of ``MTPLossConfig``, in order (what a patch adds to ``TransformerConfig``)."""
+    body = ast.parse(textwrap.dedent(fields_block())).body
+    return tuple(n.target.id for n in body if isinstance(n, ast.AnnAssign))
+
+
+def _tv_loss_function() -> ast.FunctionDef:
+    tree = ast.parse((PACKAGE_DIR / 'mtp_loss.py').read_text())
+    return next(
+        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == 'process_mtp_tv_loss'
+    )
+
+
+def tv_loss_params() -> Tuple[str, ...]:
+    fn = _tv_loss_function()
+    return tuple(a.arg for a in fn.args.args + fn.args.kwonlyargs)
+
+
+def tv_loss_required_params() -> Tuple[str, ...]:
+    """Parameters of ``process_mtp_tv_loss`` without a default."""
+    fn = _tv_loss_function()
+    positional = fn.args.args
+    required = positional[: len(positional) - len(fn.args.defaults)]
+    required += [a for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults) if d is None]
+    return tuple(a.arg for a in required)
+
+
+def _module_level(path: Path, names: Sequence[str]) -> Dict[str, ast.stmt]:
+    """The top-level assignments and functions of ``path`` named ``names``."""
+    found = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            name = getattr(node.targets[0], 'id', None)
+        else:
+            name = getattr(node, 'name', None) if isinstance(node, ast.FunctionDef) else None
+        if name in names:
+            found[name] = node
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise PatchError(f'{path.relative_to(REPO)} no longer defines {missing}')
+    return found
+
+
+def cross_entropy_names() -> Tuple[str, ...]:
+    """``config.CROSS_ENTROPY_NAMES``: the loss types that keep Megatron's own CE code."""
+    node = _module_level(PACKAGE_DIR / 'config.py', ['CROSS_ENTROPY_NAMES'])['CROSS_ENTROPY_NAMES']
+    return tuple(ast.literal_eval(node.value))
+
+
+#: What megatron/mtp_tv/plugin.py knows of Megatron's MTP code, and its checks of it: the same
+#: literals and functions install() uses, read from the source (the generator does not import
+#: the package, which imports Megatron).
+_PLUGIN_CHECKS = (
+    'ROLL_TENSOR_FORMS', 'TRACKER_APIS', '_TV_ONLY_PARAMS', 'roll_tensor_problem',
+    'tracker_problem', 'process_mtp_loss_problem',
+)
+
+
+def plugin_checks() -> Dict[str, object]:
+    nodes = _module_level(PACKAGE_DIR / 'plugin.py', _PLUGIN_CHECKS)
+    namespace: Dict[str, object] = {'Dict': Dict, 'Tuple': Tuple, 'Sequence': Sequence}
+    module = ast.Module(body=[nodes[n] for n in _PLUGIN_CHECKS], type_ignores=[])
+    exec(compile(module, str(PACKAGE_DIR / 'plugin.py'), 'exec'), namespace)
+    return namespace
