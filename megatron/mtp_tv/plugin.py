@@ -289,12 +289,16 @@ def _install_loss() -> None:
 
 def _with_tv_losses(megatron_process_mtp_loss: Callable) -> Callable:
     """Megatron's ``process_mtp_loss`` for ``'ce'``, :func:`process_mtp_tv_loss` otherwise."""
+    from .bridge import check_megatron_args
     from .mtp_loss import process_mtp_tv_loss
 
     @functools.wraps(megatron_process_mtp_loss)
     def process_mtp_loss(*args, **kwargs):
         bound = inspect.signature(megatron_process_mtp_loss).bind(*args, **kwargs).arguments
         config = bound['config']
+        # process_mtp_tv_loss checks the config; the 'ce' path needs the check here, or
+        # arguments asking for 'tv' would train cross-entropy with a config that says 'ce'.
+        check_megatron_args(config)
         if not _config.is_cross_entropy(getattr(config, 'mtp_loss_type', 'ce')):
             return process_mtp_tv_loss(**bound)
         out = megatron_process_mtp_loss(*args, **kwargs)
