@@ -49,6 +49,15 @@ MILES_COPIED = (
 )
 
 
+@pytest.fixture(autouse=True)
+def _no_attention_backend_env(monkeypatch):
+    """Building a model exports ``NVTE_*_ATTN`` for its attention backend and asserts that any
+    already set agree: models of other tests (``auto``) leave them at 1, these (``local``) need 0.
+    Unset here, restored after."""
+    for name in ('NVTE_FLASH_ATTN', 'NVTE_FUSED_ATTN', 'NVTE_UNFUSED_ATTN'):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(scope='module')
 def hf_dir(tmp_path_factory):
     """A tiny Llama checkpoint (tied embeddings, grouped-query attention, RMSNorm, rope)."""
@@ -183,6 +192,7 @@ def test_miles_bridge_mode_trains_with_the_loss_on_the_command_line(
     _assert_matches_reference(provider, loss_type)
 
 
+@pytest.mark.plugin_only  # the 'ce' loss of a patched tree is Megatron's code (test_args_guard.py)
 def test_miles_bridge_mode_without_the_arguments_at_finalize_stops_at_the_first_loss(
     hf_dir, set_megatron_args, monkeypatch
 ):
