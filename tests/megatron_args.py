@@ -44,13 +44,20 @@ def parse(argv: Sequence[str], provider: Optional[Callable] = None, monkeypatch=
     return parse_args(extra_args_provider=provider)
 
 
-def config_from_argv(argv: List[str], monkeypatch, provider=None, world_size: int = 1):
+def validated_args(argv: List[str], monkeypatch, provider=None, world_size: int = 1):
+    """``parse_args`` then ``validate_args`` on ``argv``, as Megatron's and miles' start-up do."""
     import megatron.training.arguments as arguments
-    from megatron.training.argument_utils import core_transformer_config_from_args
 
     args = parse(argv, provider, monkeypatch, world_size)
     monkeypatch.setattr(arguments, 'get_device_arch_version', lambda: 9)
     monkeypatch.setenv('CUDA_DEVICE_MAX_CONNECTIONS', '1')
     arguments.validate_args(args)
     args.apply_rope_fusion = False
+    return args
+
+
+def config_from_argv(argv: List[str], monkeypatch, provider=None, world_size: int = 1):
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    args = validated_args(argv, monkeypatch, provider, world_size)
     return args, core_transformer_config_from_args(args)

@@ -44,6 +44,8 @@ PATCH_MODE_TESTS = (
     'tests/test_hybrid_model.py',
     'tests/test_parallel.py',
     'tests/test_args_forwarding.py',
+    'tests/test_args_guard.py',
+    'tests/test_bridge.py',
     'tests/test_examples.py',
     'tests/test_upstream_names.py',
 )

@@ -6,7 +6,8 @@ Plugin use::
     megatron.mtp_tv.install()   # adds TransformerConfig.mtp_loss_type / mtp_tv_chunk / ...
 
 The loss math (:mod:`.linear_tv`, :mod:`.alignment`, :mod:`.vocab_parallel`) imports only torch;
-the Megatron glue is :mod:`.mtp_loss`, :mod:`.metrics` and :mod:`.plugin`.
+the Megatron glue is :mod:`.mtp_loss`, :mod:`.metrics` and :mod:`.plugin`; :mod:`.bridge` carries
+Megatron's parsed arguments onto Megatron-Bridge providers and checks them at the loss.
 """
 
 __version__ = '0.1.0'

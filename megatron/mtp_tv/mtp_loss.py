@@ -24,7 +24,8 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer import multi_token_prediction as _mtp
 
 from .alignment import target_segments
-from .config import is_cross_entropy
+from .bridge import check_megatron_args
+from .config import is_cross_entropy, validate_mtp_loss_config
 from .linear_tv import linear_tv_loss
 from .losses import LOSSES
 from .metrics import save_acceptance_to_tracker
@@ -52,6 +53,17 @@ def _roll_once(tensor: Tensor, cp_group, packed_seq_params):
     )
 
 
+def _check_config(config) -> None:
+    """The config's MTP loss fields are the ones Megatron's arguments ask for, and valid.
+
+    Checked at every loss, not only in ``__post_init__``: a config that was not built from the
+    arguments, or a field assigned after construction (``config.mtp_loss_type = 'TV'``), gets
+    the same ``ValueError`` as construction instead of a wrong loss or a ``KeyError``.
+    """
+    check_megatron_args(config)
+    validate_mtp_loss_config(config)
+
+
 def process_mtp_tv_loss(
     hidden_states: Tensor,
     labels: Tensor,
@@ -77,6 +89,7 @@ def process_mtp_tv_loss(
     ``mtp_log_acceptance`` with the CE loss, under ``torch.no_grad``).
     """
     del compute_language_model_loss, runtime_gather_output  # the TV path never builds full logits
+    _check_config(config)
     depth = config.mtp_num_layers
     loss_type = getattr(config, 'mtp_loss_type', 'ce')
     if is_cross_entropy(loss_type):

@@ -289,6 +289,7 @@ def _install_loss() -> None:
 
 def _with_tv_losses(megatron_process_mtp_loss: Callable) -> Callable:
     """Megatron's ``process_mtp_loss`` for ``'ce'``, :func:`process_mtp_tv_loss` otherwise."""
+    from .bridge import check_megatron_args
     from .mtp_loss import process_mtp_tv_loss
 
     @functools.wraps(megatron_process_mtp_loss)
@@ -296,7 +297,9 @@ def _with_tv_losses(megatron_process_mtp_loss: Callable) -> Callable:
         bound = inspect.signature(megatron_process_mtp_loss).bind(*args, **kwargs).arguments
         config = bound['config']
         if not _config.is_cross_entropy(getattr(config, 'mtp_loss_type', 'ce')):
-            return process_mtp_tv_loss(**bound)
+            return process_mtp_tv_loss(**bound)  # which checks the config itself
+        # Arguments asking for 'tv' must not train cross-entropy with a config that says 'ce'.
+        check_megatron_args(config)
         out = megatron_process_mtp_loss(*args, **kwargs)
         if getattr(config, 'mtp_log_acceptance', False) and bound.get('is_training'):
             with torch.no_grad():

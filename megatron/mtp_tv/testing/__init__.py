@@ -6,6 +6,8 @@
 * :mod:`.models` - tiny ``GPTModel`` with MTP, its loss, MTP hidden-state capture, and
   tensor-parallel parameter gathering for TP=N vs TP=1 comparisons.
 * :mod:`.packed` - packed (THD) ``PackedSeqParams`` and the context-parallel zigzag split.
+* :mod:`.bridge` - Megatron-Bridge on a CPU: a Transformer Engine stand-in for its import, the
+  local layer and MTP specs, CPU provider settings.
 
 Importing this package imports torch but not megatron; the submodules import megatron lazily.
 """
