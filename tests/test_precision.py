@@ -36,6 +36,16 @@ def test_gradient_error_is_at_most_twice_megatron_ce(dtype, tokens, losses):
         assert weight <= MAX_RATIO * ce_weight, (loss_type, weight, ce_weight)
 
 
+@pytest.mark.parametrize('dtype', ['fp16', 'bf16'])
+def test_cold_head_gradient_error_is_at_most_twice_megatron_ce(dtype):
+    # A fresh head (draft unrelated to the target): 'nla''s coefficient w / alpha is 7-160 w.
+    results = grad_precision.measure(dtype, 1024, ('tv', 'nla'), cold=True)
+    ce_draft, ce_weight = results.pop('ce')
+    for loss_type, (draft, weight) in results.items():
+        assert draft <= MAX_RATIO * ce_draft, (loss_type, draft, ce_draft)
+        assert weight <= MAX_RATIO * ce_weight, (loss_type, weight, ce_weight)
+
+
 def test_fp16_gradients_are_not_flushed_to_zero():
     # The tiny normalisation (scale / num_tokens) is in the logit gradient before Megatron's loss
     # scale arrives; rounded to fp16 unscaled, most of a row's entries would underflow.

@@ -7,14 +7,14 @@ importable the CE baseline is Megatron's ``vocab_parallel_cross_entropy``, other
 
 1. **Correctness** (fp32, Triton row kernels required): ``linear_tv_loss`` against the
    independent full-vocabulary reference of ``tests/reference.py`` (float64, CPU) for ``'tv'``,
-   ``'e2e_tv'``, ``'kl'`` and ``'lk'`` (the last at T = 0.7), 1 and 3 depths, several chunk sizes, fused and recompute; the Triton kernels
-   against the torch row ops at an LLM vocabulary (151936, several tiles); a bf16 model against
-   its fp32 twin.
+   ``'e2e_tv'``, ``'kl'``, ``'lk'`` (at T = 0.7) and ``'nla'``, 1 and 3 depths, several chunk
+   sizes, fused and recompute; the Triton kernels against the torch row ops at an LLM vocabulary
+   (151936, several tiles); a bf16 model against its fp32 twin.
 2. **Benchmark** (bf16 inputs and weight, fp32 loss math): per-depth TV fused / recompute against
-   linear + CE on the same tensors (and fused ``'kl'`` / ``'lk'``), the products-only floor of each
-   side, and ``'e2e_tv'`` with 3
-   depths against 3 CE depths; CUDA-event medians, peak extra memory, and achieved TFLOP/s of
-   each against a large bf16 GEMM measured in the same run (the practical roofline).
+   linear + CE on the same tensors (and fused ``'kl'`` / ``'lk'`` / ``'nla'``), the products-only
+   floor of each side, and ``'e2e_tv'`` with 3 depths against 3 CE depths; CUDA-event medians,
+   peak extra memory, and achieved TFLOP/s of each against a large bf16 GEMM measured in the same
+   run (the practical roofline).
 
     python3 tools/gpu_check.py --out "$OUT"            # on the GPU machine
     python3 tools/gpu_check.py --device cpu --quick    # dry run of the same code on CPU
@@ -51,7 +51,7 @@ def check_against_reference(device: str, quick: bool) -> List[dict]:
     """fp32 loss and gradients on ``device`` vs the float64 CPU reference."""
     S, B, H, V = (9, 2, 16, 300) if quick else (37, 2, 32, 5003)
     results = []
-    for loss_type, temperature in (('tv', 1.0), ('e2e_tv', 1.0), ('kl', 1.0), ('lk', 0.7)):
+    for loss_type, temperature in (('tv', 1.0), ('e2e_tv', 1.0), ('kl', 1.0), ('lk', 0.7), ('nla', 1.0)):
         for G in (1, 3):
             g = torch.Generator().manual_seed(G)
             draft = torch.randn(G, S, B, H, generator=g, dtype=torch.float64)
@@ -249,7 +249,7 @@ def bench(device: str, dtype: torch.dtype, seqs: List[int], hidden: int, vocab: 
             tv_flops = 4 * 2 * n * hidden * vocab  # target, draft, g@W, g^T x (per token)
             cases[f'tv chunk {chunk}'] = (tv(chunk, True), tv_flops)
             cases[f'tv-recompute chunk {chunk}'] = (tv(chunk, False), tv_flops * 6 // 4)
-            for loss_type in ('kl', 'lk'):  # the cold-start losses, same products
+            for loss_type in ('kl', 'lk', 'nla'):  # the cold-start losses, same products
                 cases[f'{loss_type} chunk {chunk}'] = (tv(chunk, True, loss_type), tv_flops)
             cases[f'tv-products chunk {chunk}'] = (
                 products(lambda c=chunk: _TVProducts.apply(x.view(s, hidden), y.view(s, hidden), weight, c)),

@@ -3,6 +3,7 @@
 
     .venv/bin/python tools/grad_precision.py                         # bf16 and fp16, 1k-8k tokens
     .venv/bin/python tools/grad_precision.py --tokens 1024 --dtypes fp16 --losses tv,kl
+    .venv/bin/python tools/grad_precision.py --cold --tokens 1024,4096 --losses tv,nla  # fresh heads
 
 One depth, one micro-batch of ``tokens`` positions. The inputs (draft and main hidden states
 after the final norm, the output weight) are drawn once, rounded to the model dtype, and then
@@ -34,15 +35,19 @@ LOSS_SCALES = {'bf16': 1.0, 'fp16': 65536.0}
 SCALE = 0.1  # mtp_loss_scaling_factor / mtp_num_layers with Megatron's default and one depth
 
 
-def make_inputs(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, seed: int = 0):
+def make_inputs(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, seed: int = 0,
+                cold: bool = False):
     """Rounded ``(draft [t, 1, h], main [t, 1, h], weight [V, h], mask [t], labels [t])``.
 
     Logits have a standard deviation of about 3 (a trained LM's scale) and the draft is a noisy
-    copy of the main hidden state one position ahead, so the overlap is that of a warm head.
+    copy of the main hidden state one position ahead, so the overlap is that of a warm head;
+    ``cold``: the draft is unrelated to the target, as a fresh head's (alpha 0.006-0.15, which
+    puts ``'nla'``'s coefficient w / alpha at 7-160 w).
     """
     g = torch.Generator().manual_seed(seed)
     main = torch.randn(tokens, 1, hidden, generator=g)
-    draft = torch.roll(main, -1, 0) + 0.6 * torch.randn(tokens, 1, hidden, generator=g)
+    noise = torch.randn(tokens, 1, hidden, generator=g)
+    draft = noise if cold else torch.roll(main, -1, 0) + 0.6 * noise
     weight = torch.randn(vocab, hidden, generator=g) * (3.0 / hidden**0.5)
     mask = (torch.rand(tokens, generator=g) > 0.1).float()
     mask[-1] = 0  # the last position has no target
@@ -94,12 +99,13 @@ def megatron_ce_error(draft, weight, mask, labels, loss_scale):
     )
 
 
-def measure(dtype_name: str, tokens: int, losses, hidden: int = 128, vocab: int = 4096, seed: int = 0):
+def measure(dtype_name: str, tokens: int, losses, hidden: int = 128, vocab: int = 4096, seed: int = 0,
+            cold: bool = False):
     """``{name: (draft_error, weight_error)}`` for ``'ce'`` and every loss in ``losses``."""
     from megatron.mtp_tv.testing.distributed import single_process
 
     dtype, loss_scale = DTYPES[dtype_name], LOSS_SCALES[dtype_name]
-    draft, main, weight, mask, labels = make_inputs(tokens, hidden, vocab, dtype, seed)
+    draft, main, weight, mask, labels = make_inputs(tokens, hidden, vocab, dtype, seed, cold)
     with single_process():
         results = {'ce': megatron_ce_error(draft, weight, mask, labels, loss_scale)}
     for loss_type in losses:
@@ -114,15 +120,16 @@ def main(argv=None):
     parser.add_argument('--losses', default='tv,e2e_tv,kl,lk,nla')
     parser.add_argument('--hidden', type=int, default=128)
     parser.add_argument('--vocab', type=int, default=4096)
+    parser.add_argument('--cold', action='store_true', help="a fresh head's draft (see make_inputs)")
     args = parser.parse_args(argv)
     losses = args.losses.split(',')
-    print(f'hidden {args.hidden}, vocab {args.vocab}; relative gradient error vs float64 '
-          f'(draft hidden / output weight), and / CE')
+    print(f'hidden {args.hidden}, vocab {args.vocab}{", cold head" if args.cold else ""}; relative '
+          f'gradient error vs float64 (draft hidden / output weight), and / CE')
     print('| dtype | tokens | loss | draft | weight | draft / CE | weight / CE |')
     print('|---|---|---|---|---|---|---|')
     for dtype_name in args.dtypes.split(','):
         for tokens in map(int, args.tokens.split(',')):
-            results = measure(dtype_name, tokens, losses, args.hidden, args.vocab)
+            results = measure(dtype_name, tokens, losses, args.hidden, args.vocab, cold=args.cold)
             ce_d, ce_w = results['ce']
             for name, (d, w) in results.items():
                 print(f'| {dtype_name} | {tokens} | {name} | {d:.2e} | {w:.2e} | '
