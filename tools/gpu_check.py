@@ -184,7 +184,9 @@ def _ce_loss_fn():
 
         if not dist.is_initialized():
             backend = 'nccl' if torch.cuda.is_available() else 'gloo'
-            dist.init_process_group(backend, init_method='tcp://127.0.0.1:29531', rank=0, world_size=1)
+            # A world of one needs no rendezvous: an in-process store, so no port another
+            # process on the machine may hold (a fixed TCP port made parallel runs fail).
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         group = dist.group.WORLD
 
         def ce(logits, labels):
