@@ -6,6 +6,8 @@
 * :mod:`.models` - tiny ``GPTModel`` with MTP, its loss, MTP hidden-state capture, and
   tensor-parallel parameter gathering for TP=N vs TP=1 comparisons.
 * :mod:`.packed` - packed (THD) ``PackedSeqParams`` and the context-parallel zigzag split.
+* :mod:`.contiguous` - NVIDIA dev's contiguous packed context-parallel layout (its roll
+  context and list-form ``roll_tensor``) for trees that lack it.
 
 Importing this package imports torch but not megatron; the submodules import megatron lazily.
 """
