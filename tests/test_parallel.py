@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from megatron.mtp_tv.losses import LOSSES
 from megatron.mtp_tv.mtp_loss import FUSED_ENV
 from megatron.mtp_tv.testing.distributed import spawn
 from tests.reference import depth_terms, objective, per_token_values, shifted_mask
@@ -98,9 +99,7 @@ def _loss_worker(rank, loss_type, depth, s, seq_lengths, pad, temperature=1.0):
     """Run the installed process_mtp_loss on this CP rank's zigzag slice; return grads."""
     import megatron.mtp_tv
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer import multi_token_prediction as mtp
-    from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.mtp_tv.testing.packed import make_packed_seq_params, zigzag_cp_index
 
     megatron.mtp_tv.install()
@@ -114,7 +113,23 @@ def _loss_worker(rank, loss_type, depth, s, seq_lengths, pad, temperature=1.0):
         cu = packed.cu_seqlens_q
     index = zigzag_cp_index(s, cp_rank, cp, cu) if cp > 1 else torch.arange(s)
     local_hidden = torch.cat([c.index_select(0, index) for c in hidden.chunk(1 + depth)])
-    local_hidden.requires_grad_()
+    runs = _fused_and_recomputed(
+        mtp.process_mtp_loss, local_hidden, weight, loss_type, depth, cp, temperature,
+        labels=labels[:, index], loss_mask=mask[:, index], cp_group=cp_group,
+        packed_seq_params=packed,
+    )
+    return (index, *runs[0], runs[1])
+
+
+def _fused_and_recomputed(process_mtp_loss, local_hidden, weight, loss_type, depth, cp,
+                          temperature=1.0, **inputs):
+    """``process_mtp_loss`` on this rank's rows, fused then recomputed: ``[(hidden grad, weight
+    grad, logged per-depth loss)] * 2``. ``inputs``: labels, loss mask and layout arguments."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer import multi_token_prediction as mtp
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    local_hidden = local_hidden.clone().requires_grad_()
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, mtp_num_layers=depth,
         mtp_loss_type=loss_type, mtp_tv_chunk=3, mtp_loss_scaling_factor=FACTOR,
@@ -131,20 +146,22 @@ def _loss_worker(rank, loss_type, depth, s, seq_lengths, pad, temperature=1.0):
         os.environ[FUSED_ENV] = fused
         local_hidden.grad = layer.weight.grad = None
         mtp.MTPLossLoggingHelper.tracker.clear()
-        out = mtp.process_mtp_loss(
-            hidden_states=local_hidden, labels=labels[:, index], loss_mask=mask[:, index],
-            output_layer=layer, output_weight=None, runtime_gather_output=None, is_training=True,
-            compute_language_model_loss=None, config=config, cp_group=cp_group,
-            packed_seq_params=packed,
+        out = process_mtp_loss(
+            hidden_states=local_hidden, output_layer=layer, output_weight=None,
+            runtime_gather_output=None, is_training=True, compute_language_model_loss=None,
+            config=config, **inputs,
         )
         (out * 0).sum().backward()  # only the MTP loss riding on MTPLossAutoScaler
         logged = mtp.MTPLossLoggingHelper.tracker['loss_values'].clone()
         runs.append((local_hidden.grad, layer.weight.grad, logged))
-    return (index, *runs[0], runs[1])
+    return runs
 
 
-def _reference_for_rank(loss_type, depth, s, index, seq_bounds, temperature=1.0):
-    """Megatron's CP semantics: each rank normalises by its own token count."""
+def _reference_for_rank(loss_type, depth, s, index, seq_bounds, temperature=1.0, mask_shift=1):
+    """Megatron's CP semantics: each rank normalises by its own token count.
+
+    ``mask_shift``: depth k's mask is the loss mask ``k + mask_shift`` positions on (2 when the
+    labels are derived from the input ids, whose mask is rolled once more)."""
     hidden, weight, labels, mask = _loss_inputs(depth, s)
     hidden = hidden.double().requires_grad_()
     weight = weight.double().requires_grad_()
@@ -152,7 +169,9 @@ def _reference_for_rank(loss_type, depth, s, index, seq_bounds, temperature=1.0)
     alpha, kl = depth_terms(
         chunks[0].detach(), list(chunks[1:]), weight, seq_bounds=seq_bounds, temperature=temperature
     )
-    masks = torch.stack([shifted_mask(mask, k + 1, seq_bounds).t() for k in range(depth)]).double()
+    masks = torch.stack(
+        [shifted_mask(mask, k + mask_shift, seq_bounds).t() for k in range(depth)]
+    ).double()
     local_alpha, local_kl, local_masks = alpha[:, index], kl[:, index], masks[:, index]
     objective(loss_type, local_alpha, local_kl, local_masks, FACTOR).backward()
     grad = torch.cat([c.index_select(0, index) for c in hidden.grad.chunk(1 + depth)])
@@ -161,12 +180,14 @@ def _reference_for_rank(loss_type, depth, s, index, seq_bounds, temperature=1.0)
     return grad, weight.grad, logged
 
 
-def _check_against_reference(results, loss_type, depth, s, seq_bounds, temperature=1.0):
+def _check_against_reference(
+    results, loss_type, depth, s, seq_bounds, temperature=1.0, mask_shift=1
+):
     for index, grad, weight_grad, logged, recomputed in results:
         for fused_value, recomputed_value in zip((grad, weight_grad, logged), recomputed):
             assert torch.equal(fused_value, recomputed_value)  # fused and recompute paths agree
         ref_grad, ref_weight_grad, ref_tv = _reference_for_rank(
-            loss_type, depth, s, index, seq_bounds, temperature
+            loss_type, depth, s, index, seq_bounds, temperature, mask_shift
         )
         torch.testing.assert_close(logged.double(), ref_tv, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-4, atol=1e-7)
@@ -201,3 +222,131 @@ def test_context_parallel_chunk_shorter_than_depth_is_a_clear_error():
 
     with pytest.raises(WorkerError, match='shorter than mtp_num_layers=3'):
         spawn(_loss_worker, 2, 'tv', 3, 8, None, 1, cp=2)  # chunks of 2 positions
+
+
+# ------------------------------------- contiguous packed context parallelism (NVIDIA dev)
+#
+# NVIDIA dev (and radixark miles-main-20260819) split a packed row contiguously over the CP ranks
+# when packed_seq_params.cp_partition_mode == 'contiguous': rank r holds rows [r*n, (r+1)*n), so
+# a sequence runs on from one rank into the next and the targets of depth k near a shard's end
+# are the next rank's first rows. dev's GPTModel hands process_mtp_loss a sequence_roll_context
+# holding mtp_num_layers + 1 label / mask / input-id rows prefetched from the next rank, and its
+# rolls read them (field and roll depth named per call). megatron-core 0.19.2 has no such layout:
+# megatron.mtp_tv.testing.contiguous rebuilds dev's context (same attributes, duck-typed), its
+# list-form roll_tensor and its process_mtp_loss signature from dev's semantics; on a dev tree
+# (plugin or patch mode) the tree's own functions are used instead. The reference is the
+# full-sequence one, sliced to the rank's rows.
+
+# Four sequences in 32 rows, 16 per rank: the second runs from rank 0 into rank 1 (its chains
+# at the shard end continue in the halo, the last ones cross into the third sequence); the
+# other layout ends a sequence exactly at the shard boundary (no halo row is valid).
+CONTIGUOUS_LENGTHS = ([5, 13, 9, 5], [6, 10, 11, 5])
+
+
+def _contiguous_worker(rank, loss_type, depth, lengths, derive_labels=False, prefetch=True,
+                       temperature=1.0, layout='contiguous'):
+    """Run process_mtp_loss on this rank's contiguous shard; also return every roll's
+    ``(got the context, fields, roll_depth)``."""
+    import functools
+
+    import megatron.mtp_tv
+    from megatron.core import parallel_state
+    from megatron.core.transformer import multi_token_prediction as mtp
+    from megatron.mtp_tv.testing.contiguous import contiguous_cp_index, tree_api
+    from megatron.mtp_tv.testing.packed import make_packed_seq_params
+
+    megatron.mtp_tv.install()
+    api = tree_api(mtp)
+    cp_group = parallel_state.get_context_parallel_group()
+    s = sum(lengths)
+    hidden, weight, labels, mask = _loss_inputs(depth, s)
+    index = contiguous_cp_index(s, cp_group.rank(), cp_group.size())
+    packed = make_packed_seq_params(lengths)
+    packed.cp_partition_mode = layout  # a field on dev; set as an attribute on 0.19.2
+    local = dict(labels=labels[:, index], loss_mask=mask[:, index], input_ids=labels[:, index])
+    context = api.prepare(local['labels'], cp_group, packed)
+    if prefetch and context is not None:  # as dev's GPTModel.forward, before the MTP block
+        context = context.prefetch_halos(width=depth + 1, **local)
+    if derive_labels:  # RL: no labels; they are the input ids rolled once
+        local['labels'] = None
+
+    rolls = []
+
+    @functools.wraps(api.roll_tensor)
+    def recording_roll_tensor(tensors, *args, **kwargs):
+        rolls.append((kwargs.get('roll_context') is context, kwargs.get('sequence_fields'),
+                      kwargs.get('roll_depth', 0)))
+        return api.roll_tensor(tensors, *args, **kwargs)
+
+    mtp.roll_tensor = recording_roll_tensor  # this worker process only
+    local_hidden = torch.cat([c.index_select(0, index) for c in hidden.chunk(1 + depth)])
+    runs = _fused_and_recomputed(
+        api.process_mtp_loss, local_hidden, weight, loss_type, depth, cp_group.size(),
+        temperature, cp_group=cp_group, packed_seq_params=packed, sequence_roll_context=context,
+        **local,
+    )
+    return (index, *runs[0], runs[1]), rolls, api.native
+
+
+def _expected_rolls(depth, derive_labels):
+    """dev's process_mtp_loss: each depth rolls labels (or input ids) and mask once more."""
+    field = 'input_ids' if derive_labels else 'labels'
+    first = [(True, ['input_ids'], 0), (True, ['loss_mask'], 0)] if derive_labels else []
+    per_depth = [
+        roll for k in range(depth)
+        for roll in ((True, [field], k + derive_labels), (True, ['loss_mask'], k + derive_labels))
+    ]
+    return (first + per_depth) * 2  # fused, then recomputed
+
+
+def _bounds(lengths):
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    return bounds
+
+
+@pytest.mark.parametrize('loss_type', sorted(LOSSES))
+def test_contiguous_packed_context_parallel_matches_full_sequence(loss_type):
+    """Every registered loss, CP=2, depth 3: targets of a shard's last rows on the next rank."""
+    depth, lengths, temperature = 3, CONTIGUOUS_LENGTHS[0], 0.7 if loss_type == 'lk' else 1.0
+    out = spawn(_contiguous_worker, 2, loss_type, depth, lengths, False, True, temperature, cp=2)
+    _check_against_reference([r for r, _, _ in out], loss_type, depth, sum(lengths),
+                             _bounds(lengths), temperature)
+    for _, rolls, _ in out:  # the context reached every roll, with dev's fields and depths
+        assert rolls == _expected_rolls(depth, False)
+
+
+@pytest.mark.parametrize(
+    'loss_type,derive_labels,prefetch,lengths',
+    [('e2e_tv', True, True, CONTIGUOUS_LENGTHS[0]), ('tv', False, False, CONTIGUOUS_LENGTHS[1])],
+)
+def test_contiguous_packed_context_parallel_labels_from_input_ids_and_without_halos(
+    loss_type, derive_labels, prefetch, lengths
+):
+    """Labels derived from the input ids (RL: one roll more, so every halo read is one row
+    further); and a context without prefetched halos (dev's fallback: each roll exchanges one
+    row) with a sequence ending exactly at the shard boundary."""
+    depth = 2
+    out = spawn(_contiguous_worker, 2, loss_type, depth, lengths, derive_labels, prefetch, cp=2)
+    _check_against_reference([r for r, _, _ in out], loss_type, depth, sum(lengths),
+                             _bounds(lengths), mask_shift=1 + derive_labels)
+    for _, rolls, _ in out:
+        assert rolls == _expected_rolls(depth, derive_labels)
+
+
+def test_contiguous_shard_shorter_than_depth_is_a_clear_error():
+    from megatron.mtp_tv.testing.distributed import WorkerError
+
+    with pytest.raises(WorkerError, match='contiguous layout: shards of 2 positions are shorter '
+                                          'than mtp_num_layers=3'):
+        spawn(_contiguous_worker, 2, 'tv', 3, [3, 1], False, False, cp=2)
+
+
+def test_an_unknown_context_parallel_layout_is_a_clear_error():
+    from megatron.mtp_tv.testing.distributed import WorkerError
+
+    with pytest.raises(WorkerError, match=r"layouts \('zigzag', 'contiguous'\); packed_seq_params"
+                                          r".cp_partition_mode='striped' is not supported"):
+        spawn(_contiguous_worker, 2, 'tv', 2, CONTIGUOUS_LENGTHS[0], False, False, 1.0, 'striped',
+              cp=2)

@@ -13,31 +13,13 @@ import torch
 
 import megatron.mtp_tv
 from megatron.mtp_tv import plugin
+from megatron.mtp_tv.testing.contiguous import with_extra_parameter as _with_extra_parameter
 from megatron.mtp_tv.testing.distributed import single_process
 from megatron.mtp_tv.testing.models import build_gpt_with_mtp, forward_loss
 
 pytestmark = pytest.mark.plugin_only
 
 megatron.mtp_tv.install()
-
-
-def _with_extra_parameter(fn, name):
-    """``fn`` with one more keyword parameter ``name`` (default None) that it ignores."""
-    sig = inspect.signature(fn)
-    new_sig = sig.replace(parameters=[
-        *sig.parameters.values(),
-        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None),
-    ])
-    seen = []
-
-    def wrapper(*args, **kwargs):
-        bound = new_sig.bind(*args, **kwargs)
-        seen.append(bound.arguments.pop(name, None))
-        return fn(**bound.arguments)
-
-    wrapper.__signature__ = new_sig
-    wrapper.seen = seen
-    return wrapper
 
 
 def _mtp():

@@ -4,7 +4,8 @@
 
 Whole model: TP=2 (with/without sequence parallel) against TP=1, over every gathered parameter
 gradient and the logged per-depth losses. process_mtp_loss level: context-parallel ranks and
-packed rows against the full-sequence reference of tests/reference.py.
+packed rows against the full-sequence reference of tests/reference.py, in Megatron's zigzag
+layout and in NVIDIA dev's contiguous one.
 """
 
 import sys
@@ -43,7 +44,7 @@ def _loss_rows():
                 for n in lengths:
                     bounds.append(bounds[-1] + n)
             worst_loss = worst_grad = 0.0
-            for index, grad, weight_grad, logged in spawn(tp._loss_worker, cp, loss_type, depth, s, lengths, pad, cp=cp):
+            for index, grad, weight_grad, logged, _ in spawn(tp._loss_worker, cp, loss_type, depth, s, lengths, pad, cp=cp):
                 ref_grad, ref_wgrad, ref_tv = tp._reference_for_rank(loss_type, depth, s, index, bounds)
                 worst_loss = max(worst_loss, (logged.double() - ref_tv).abs().max().item())
                 worst_grad = max(worst_grad, (grad.double() - ref_grad).abs().max().item(),
@@ -51,10 +52,25 @@ def _loss_rows():
             yield loss_type, layout, worst_loss, worst_grad
 
 
+def _contiguous_rows():
+    """Contiguous packed CP=2 (NVIDIA dev's layout), every registered loss, depth 3."""
+    lengths = tp.CONTIGUOUS_LENGTHS[0]
+    for loss_type in sorted(tp.LOSSES):
+        worst_loss = worst_grad = 0.0
+        out = spawn(tp._contiguous_worker, 2, loss_type, 3, lengths, cp=2)
+        for (index, grad, weight_grad, logged, _), _, _ in out:
+            ref_grad, ref_wgrad, ref_tv = tp._reference_for_rank(
+                loss_type, 3, sum(lengths), index, tp._bounds(lengths))
+            worst_loss = max(worst_loss, (logged.double() - ref_tv).abs().max().item())
+            worst_grad = max(worst_grad, (grad.double() - ref_grad).abs().max().item(),
+                             (weight_grad.double() - ref_wgrad).abs().max().item())
+        yield loss_type, 'packed + CP=2 contiguous (dev)', worst_loss, worst_grad
+
+
 def main():
     print('| loss | layout | max abs diff, per-depth loss | max abs diff, gradients |')
     print('|---|---|---|---|')
-    for row in list(_model_rows()) + list(_loss_rows()):
+    for row in list(_model_rows()) + list(_loss_rows()) + list(_contiguous_rows()):
         print('| {} | {} | {:.1e} | {:.1e} |'.format(*row))
 
 

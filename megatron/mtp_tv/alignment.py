@@ -11,6 +11,13 @@ masked by the rolled loss mask, so their target only has to be finite).
   rows of the next chunk, which lives on a neighbouring rank: every rank sends the first ``G``
   rows of its chunks to the neighbours that need them (one batched exchange, ``G`` rows per chunk,
   never the whole sequence), as ``roll_tensor`` exchanges its boundary elements.
+* NVIDIA Megatron-LM ``dev``'s contiguous layout for packed sequences
+  (``packed_seq_params.cp_partition_mode == 'contiguous'``) gives rank ``r`` the rows
+  ``[r * s_local, (r + 1) * s_local)`` of the whole packed row, sequences cut wherever the shard
+  ends. The local rows are one segment whose halo is the first ``G`` rows of rank ``r + 1`` (none
+  on the last rank): the targets of depth k may live on the next rank. Targets that cross a
+  sequence boundary, inside the shard or in the halo, are read but carry zero weight (the rolled
+  mask is zero there, so no chain crosses a sequence).
 
 Plain torch + torch.distributed; no Megatron imports.
 """
@@ -23,12 +30,16 @@ import torch.distributed as dist
 from .linear_tv import TargetSegment
 from .vocab_parallel import ProcessGroup, group_rank, group_size
 
+#: Context-parallel layouts :func:`target_segments` aligns (``PackedSeqParams.cp_partition_mode``).
+CP_LAYOUTS = ('zigzag', 'contiguous')
+
 
 def target_segments(
     target_hidden: torch.Tensor,
     depth: int,
     cp_group: ProcessGroup = None,
     cu_seqlens: Optional[Sequence[int]] = None,
+    layout: str = 'zigzag',
 ) -> List[TargetSegment]:
     """Build the segments (and exchange the halos) for ``linear_tv_loss``.
 
@@ -38,18 +49,26 @@ def target_segments(
         depth: number of MTP depths G (rows of halo per chunk).
         cp_group: context-parallel group (None or one rank: no context parallelism).
         cu_seqlens: global cumulative sequence lengths of packed sequences (THD), or None.
+        layout: how context parallelism splits the sequence: ``'zigzag'`` (Megatron's default)
+            or ``'contiguous'`` (packed sequences on NVIDIA dev; see
+            :func:`contiguous_target_segments`).
 
     Returns:
         The list of :class:`TargetSegment` covering ``[0, s_local)``.
 
     Raises:
         ValueError: if a context-parallel chunk is shorter than ``depth`` (its targets would lie
-            two ranks away) or the local length does not split into the zigzag chunks.
+            two ranks away), the local length does not split into the zigzag chunks, or
+            ``layout`` is not one of :data:`CP_LAYOUTS`.
     """
+    if layout not in CP_LAYOUTS:
+        raise ValueError(f"context parallel layout {layout!r}; expected one of {CP_LAYOUTS}.")
     s_local = target_hidden.shape[0]
     cp = group_size(cp_group)
     if cp == 1:
         return [TargetSegment(0, s_local)]
+    if layout == 'contiguous':
+        return contiguous_target_segments(target_hidden, depth, cp_group)
 
     bounds = _local_sequence_bounds(s_local, cp, cu_seqlens)
     chunks = []  # (start, stop) of chunk "front" and "back" of every sequence, in order
@@ -85,6 +104,46 @@ def target_segments(
         segments.append(TargetSegment(a, b_, front))
         segments.append(TargetSegment(c, d, back))
     return segments
+
+
+def contiguous_target_segments(
+    target_hidden: torch.Tensor, depth: int, cp_group: ProcessGroup
+) -> List[TargetSegment]:
+    """The one segment of a contiguous context-parallel shard, with the next rank's rows as halo.
+
+    Every rank sends its first ``depth`` rows to rank - 1 and receives those of rank + 1 (one
+    exchange of ``G`` rows, as NVIDIA dev prefetches its label halos); where a packed sequence
+    ends inside the shard or the halo, the targets past its end carry zero weight.
+
+    Args:
+        target_hidden: ``[s_local, b, h]`` this rank's contiguous shard of the packed row.
+        depth: number of MTP depths G (rows of halo).
+        cp_group: context-parallel group of more than one rank.
+
+    Returns:
+        ``[TargetSegment(0, s_local, halo)]``, ``halo`` ``[G, b, h]`` or None on the last rank.
+
+    Raises:
+        ValueError: if the shard is shorter than ``depth`` (targets would lie two ranks away).
+    """
+    s_local = target_hidden.shape[0]
+    cp, rank = group_size(cp_group), group_rank(cp_group)
+    if s_local < depth:
+        raise ValueError(
+            f"context parallel size {cp}, contiguous layout: shards of {s_local} positions are "
+            f"shorter than mtp_num_layers={depth}, so MTP targets would lie two ranks away; use "
+            "longer packed rows or a smaller context parallel size."
+        )
+    ranks = dist.get_process_group_ranks(cp_group)
+    ops, halo = [], None
+    if rank > 0:
+        ops.append(dist.P2POp(dist.isend, target_hidden[:depth].contiguous(), ranks[rank - 1], cp_group))
+    if rank < cp - 1:
+        halo = torch.empty_like(target_hidden[:depth])
+        ops.append(dist.P2POp(dist.irecv, halo, ranks[rank + 1], cp_group))
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return [TargetSegment(0, s_local, halo)]
 
 
 def _local_sequence_bounds(s_local: int, cp: int, cu_seqlens) -> List[tuple]:

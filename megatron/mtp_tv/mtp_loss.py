@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.transformer import multi_token_prediction as _mtp
 
-from .alignment import target_segments
+from .alignment import CP_LAYOUTS, target_segments
 from .bridge import check_megatron_args
 from .config import is_cross_entropy, validate_mtp_loss_config
 from .linear_tv import linear_tv_loss
@@ -36,18 +36,27 @@ from .vocab_parallel import group_size
 FUSED_ENV = 'MEGATRON_MTP_TV_FUSED'
 
 
-def _roll_once(tensor: Tensor, cp_group, packed_seq_params):
+def _roll_once(
+    tensor: Tensor, cp_group, packed_seq_params, roll_context=None, field=None, roll_depth=0
+):
     """Megatron's ``roll_tensor(tensor, shifts=-1, dims=-1, ...)`` -> ``(rolled, rolled.sum())``.
 
-    Trees whose ``roll_tensor`` rolls a list of tensors and returns the list (radixark
-    miles-main-20260819) are called that way.
+    Trees whose ``roll_tensor`` rolls a list of tensors and returns the list (NVIDIA dev, radixark
+    miles-main-20260819) are called that way, with the microbatch's ``sequence_roll_context``
+    (see :func:`_roll_context_kwargs`).
     """
     roll_tensor = _mtp.roll_tensor
     if 'sequence_fields' in inspect.signature(roll_tensor).parameters:
         (rolled,) = roll_tensor(
-            [tensor], shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params
+            [tensor], shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params,
+            **_roll_context_kwargs(roll_context, field, roll_depth),
         )
         return rolled, rolled.sum()
+    if roll_context is not None:
+        raise ValueError(
+            f"sequence_roll_context={type(roll_context).__name__} was given, but this Megatron's "
+            "roll_tensor takes no roll context (only the list form of NVIDIA dev does)."
+        )
     return roll_tensor(
         tensor, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params
     )
@@ -62,6 +71,39 @@ def _check_config(config) -> None:
     """
     check_megatron_args(config)
     validate_mtp_loss_config(config)
+
+
+def _roll_context_kwargs(roll_context, field: Optional[str], roll_depth: int) -> dict:
+    """The ``roll_tensor`` arguments that let NVIDIA dev roll with its prefetched halos.
+
+    dev's ``process_mtp_loss`` rolls each field (``'labels'``, ``'loss_mask'``, or
+    ``'input_ids'`` when the labels are derived from them) with the ``sequence_roll_context``
+    of the microbatch, naming the field and how many times it was rolled before
+    (``roll_depth``): with contiguous packed context parallelism the row that enters at the
+    shard's end is then read from the halo rows prefetched from the next rank (sanitised at
+    sequence ends) instead of a send/receive per roll. The same calls, so the same masks.
+    """
+    if roll_context is None:
+        return {}
+    return dict(roll_context=roll_context, sequence_fields=[field], roll_depth=roll_depth)
+
+
+def _cp_layout(packed_seq_params, cp_group, loss_type: str) -> str:
+    """How context parallelism splits the sequence: ``'zigzag'`` or ``'contiguous'``.
+
+    Read from ``packed_seq_params.cp_partition_mode`` (NVIDIA dev; absent elsewhere, where the
+    layout is always zigzag). Unpacked sequences are always zigzag, as in dev's ``roll_tensor``.
+
+    Raises:
+        ValueError: for a partition mode the target alignment does not know.
+    """
+    layout = getattr(packed_seq_params, 'cp_partition_mode', None) or 'zigzag'
+    if group_size(cp_group) > 1 and layout not in CP_LAYOUTS:
+        raise ValueError(
+            f"mtp_loss_type={loss_type!r} aligns context-parallel targets in the layouts "
+            f"{CP_LAYOUTS}; packed_seq_params.cp_partition_mode={layout!r} is not supported."
+        )
+    return layout
 
 
 def process_mtp_tv_loss(
@@ -86,7 +128,10 @@ def process_mtp_tv_loss(
     :mod:`megatron.mtp_tv.linear_tv`).
 
     ``metrics_only`` computes and logs the acceptance metrics without attaching a loss (used for
-    ``mtp_log_acceptance`` with the CE loss, under ``torch.no_grad``).
+    ``mtp_log_acceptance`` with the CE loss, under ``torch.no_grad``). ``sequence_roll_context``
+    (NVIDIA dev, contiguous packed context parallelism) goes to every ``roll_tensor`` call as dev's
+    own loss passes it; the targets of that layout are aligned by
+    :func:`~megatron.mtp_tv.alignment.contiguous_target_segments`.
     """
     del compute_language_model_loss, runtime_gather_output  # the TV path never builds full logits
     _check_config(config)
@@ -97,15 +142,19 @@ def process_mtp_tv_loss(
     hidden_states_list = torch.chunk(hidden_states, 1 + depth, dim=0)
     main_hidden = hidden_states_list[0]
 
-    def roll(t):
-        return _roll_once(t, cp_group, packed_seq_params)
+    def roll(t, field, roll_depth):
+        return _roll_once(t, cp_group, packed_seq_params, sequence_roll_context, field, roll_depth)
 
-    if labels is None:
+    # As dev: labels derived from input_ids are input_ids rolled once more, so each depth's
+    # roll of them (and of the mask, rolled along) reads one halo row further.
+    derived = labels is None
+    label_field = 'input_ids' if derived else 'labels'
+    if derived:
         if input_ids is None:
             return main_hidden
-        labels, _ = roll(input_ids)
-        loss_mask = torch.ones_like(labels) if loss_mask is None else loss_mask
-        loss_mask, _ = roll(loss_mask)
+        loss_mask = torch.ones_like(input_ids) if loss_mask is None else loss_mask
+        labels, _ = roll(input_ids, 'input_ids', 0)
+        loss_mask, _ = roll(loss_mask, 'loss_mask', 0)
     elif loss_mask is None:
         loss_mask = torch.ones_like(labels)
 
@@ -117,12 +166,7 @@ def process_mtp_tv_loss(
             f"mtp_loss_type={loss_type!r} supports an output layer without bias (GPTModel's); "
             "this output layer has a bias."
         )
-    cp_layout = getattr(packed_seq_params, 'cp_partition_mode', None)
-    if cp_group is not None and cp_group.size() > 1 and cp_layout not in (None, 'zigzag'):
-        raise ValueError(
-            f"mtp_loss_type={loss_type!r} aligns context-parallel targets in Megatron's zigzag "
-            f"layout; packed_seq_params.cp_partition_mode={cp_layout!r} is not supported."
-        )
+    cp_layout = _cp_layout(packed_seq_params, cp_group, loss_type)
     tp_group = tp_group if tp_group is not None else getattr(output_layer, 'tp_group', None)
     sequence_parallel = bool(getattr(output_layer, 'sequence_parallel', False))
 
@@ -130,9 +174,9 @@ def process_mtp_tv_loss(
     original_num_tokens = loss_mask.sum()
     depth_labels, depth_masks, depth_num_tokens = [], [], []
     mtp_labels = labels
-    for _ in range(depth):
-        mtp_labels, _ = roll(mtp_labels)
-        loss_mask, num_tokens = roll(loss_mask)
+    for k in range(depth):
+        mtp_labels, _ = roll(mtp_labels, label_field, k + derived)
+        loss_mask, num_tokens = roll(loss_mask, 'loss_mask', k + derived)
         depth_labels.append(mtp_labels)
         depth_masks.append(loss_mask)
         depth_num_tokens.append(num_tokens)
@@ -180,7 +224,7 @@ def process_mtp_tv_loss(
         chunk_size=config.mtp_tv_chunk,
         tp_group=tp_group,
         logits_fn=scale_logits_fn,
-        segments=target_segments(target, depth, cp_group, cu_seqlens),
+        segments=target_segments(target, depth, cp_group, cu_seqlens, cp_layout),
         labels=torch.stack(depth_labels).transpose(1, 2) if is_training else None,
         fused=os.environ.get(FUSED_ENV, '1') != '0',
         temperature=getattr(config, 'mtp_tv_temperature', 1.0),

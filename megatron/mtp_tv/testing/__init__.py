@@ -8,6 +8,8 @@
 * :mod:`.packed` - packed (THD) ``PackedSeqParams`` and the context-parallel zigzag split.
 * :mod:`.bridge` - Megatron-Bridge on a CPU: a Transformer Engine stand-in for its import, the
   local layer and MTP specs, CPU provider settings.
+* :mod:`.contiguous` - NVIDIA dev's contiguous packed context-parallel layout (its roll
+  context and list-form ``roll_tensor``) for trees that lack it.
 
 Importing this package imports torch but not megatron; the submodules import megatron lazily.
 """
