@@ -78,8 +78,11 @@ def _row(record: Dict, mode: str, label: str) -> Dict:
 
 
 def build_tables(evaluations: List[Dict], arms: List[str], heal_steps: int, cold_steps: int,
-                 serving_temperature: Optional[float] = None) -> Dict[str, List[Dict]]:
-    """The tables (see the module docstring); a table whose arms were not run is left out."""
+                 serving_temperature: Optional[float] = None,
+                 labels: Optional[Dict[str, str]] = None) -> Dict[str, List[Dict]]:
+    """The tables (see the module docstring); a table whose arms were not run is left out, and
+    so is a reference model ('pretrained', 'drifted', 'cold_init') that was not evaluated.
+    ``labels`` overrides :func:`arm_label` for some arms."""
     by_key = {(e['arm'], e['step']): e for e in evaluations}
     final = {arm: by_key[(arm, cold_steps if arm_kind(arm)[0] == 'cold' else heal_steps)]
              for arm in arms}
@@ -94,10 +97,13 @@ def build_tables(evaluations: List[Dict], arms: List[str], heal_steps: int, cold
                        + (['cold_init'] + cold if cold else [])),
             'serving': ('serving', ['pretrained', 'drifted'] + warm + serve if serve else [])}
     tables = {}
+    labels = labels or {}
     for name, (mode, members) in plan.items():
+        members = [a for a in members if a in final]
         if not members:
             continue
-        rows = {a: _row(final[a], mode, arm_label(a, serving_temperature)) for a in members}
+        rows = {a: _row(final[a], mode, labels.get(a) or arm_label(a, serving_temperature))
+                for a in members}
         for arm, row in rows.items():
             is_cold = arm in cold or arm == 'cold_init'
             for key, reference in (('vs_ce', 'cold_ce' if is_cold else 'ce'),
