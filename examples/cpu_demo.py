@@ -13,7 +13,8 @@ A tiny megatron-core GPTModel with MTP heads (the real Megatron loss path, with 
    'e2e_tv' (arms named by the loss), and 'tv' trained at the serving temperature
    (``mtp_tv_temperature``; arm 'serve_tv');
 4. cold start: re-initialise the MTP layers on the drifted backbone (MTP heads added to an existing
-   model) and train them the same way with 'ce', 'kl', 'tv', 'lk' and 'e2e_tv' (arms 'cold_<loss>');
+   model) and train them the same way with 'ce', 'kl', 'tv', 'lk', 'nla' and 'e2e_tv' (arms
+   'cold_<loss>');
 5. measure on held-out domain-B text, at a few points while training each arm: teacher-forced
    per-depth acceptance ``alpha = sum min(p, q)`` and the accepted drafts per verify step it
    predicts, next to the number counted in real speculative decoding (heads draft ``gamma`` tokens

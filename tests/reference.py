@@ -4,8 +4,9 @@ Nothing here imports the package under test. DESIGN.md sections 1 and 5, with p 
 softmax of the logits divided by the temperature T:
 alpha = sum_v min(p, q); per-depth loss 1 - alpha; end-to-end loss
 1 - (1/G) sum_j prod_{i<=j} alpha_i; KL(p || q) = sum_v p (log p - log q); LK
-lambda KL + (1 - lambda)(1 - alpha) with lambda = exp(-eta alpha) held constant; p detached; at
-ties the minimum takes p (strict q < p).
+lambda KL + (1 - lambda)(1 - alpha) with lambda = exp(-eta alpha) held constant; NLA
+-log(max(alpha, 1e-5)) with d/dalpha = -1/max(alpha, 1e-5) everywhere (the gradient is kept alive
+below the floor); p detached; at ties the minimum takes p (strict q < p).
 """
 
 import math
@@ -90,10 +91,24 @@ def lk_values(alpha, kl, eta):
     return lam * kl + (1 - lam) * (1 - alpha)
 
 
+#: The documented floor of alpha inside NLA's logarithm.
+NLA_FLOOR = 1e-5
+
+
+def nla_values(alpha, floor=NLA_FLOOR):
+    """Per-token ``-log(max(alpha, floor))`` whose derivative is ``-1 / max(alpha, floor)``
+    everywhere: above the floor that is the derivative of ``-log(alpha)``; below it the value is
+    constant and the derivative is the one at the floor (not a clamp's 0)."""
+    kept = alpha.detach().clamp(min=floor)
+    return -torch.log(kept) - (alpha - alpha.detach()) / kept
+
+
 def per_token_values(loss_type, alpha, kl, eta=3.0):
     """The per-token objective each depth logs as ``mtp_{k} loss`` (``1 - alpha`` for the TV losses)."""
     if loss_type in ('tv', 'e2e_tv'):
         return 1 - alpha
+    if loss_type == 'nla':
+        return nla_values(alpha)
     return kl if loss_type == 'kl' else lk_values(alpha, kl, eta)
 
 
@@ -101,7 +116,7 @@ def objective(loss_type, alpha, kl, masks, scale, eta=3.0):
     """The Megatron-normalised objective of ``loss_type`` from per-token alpha and kl."""
     if loss_type == 'e2e_tv':
         return e2e_objective(alpha, masks, scale)
-    if loss_type not in ('tv', 'kl', 'lk'):
+    if loss_type not in ('tv', 'kl', 'lk', 'nla'):
         raise ValueError(loss_type)
     return per_depth_objective(per_token_values(loss_type, alpha, kl, eta), masks, scale)
 
@@ -135,7 +150,7 @@ def e2e_objective(alpha, masks, scale):
 
 def token_weights(loss_type: str, masks: torch.Tensor, scale: float = 0.3) -> torch.Tensor:
     """The ``token_weights`` argument that makes ``linear_tv_loss`` equal :func:`objective` with
-    ``masks`` and ``scale``: ``[G, s, b]`` per depth (``'tv'``, ``'kl'``, ``'lk'``), ``[s, b]``
+    ``masks`` and ``scale``: ``[G, s, b]`` per depth (``'tv'``, ``'kl'``, ``'lk'``, ``'nla'``), ``[s, b]``
     (one weight per valid chain) for ``'e2e_tv'``."""
     G = masks.shape[0]
     if loss_type != 'e2e_tv':

@@ -71,7 +71,7 @@ def test_flags_have_choices_and_help_from_the_field_docstrings(monkeypatch):
 
     parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     actions = {a.dest: a for a in parser._actions}
-    assert list(actions['mtp_loss_type'].choices) == ['ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk']
+    assert list(actions['mtp_loss_type'].choices) == ['ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk', 'nla']
     assert 'Training objective of the Multi-Token Prediction' in actions['mtp_loss_type'].help
     assert actions['mtp_tv_chunk'].type is int
     assert 'Tokens per chunk' in actions['mtp_tv_chunk'].help
@@ -80,7 +80,7 @@ def test_flags_have_choices_and_help_from_the_field_docstrings(monkeypatch):
 
 def test_bad_values_are_rejected(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
-        parse(BASE + ['--mtp-loss-type', 'nla'], miles_extra_args_provider, monkeypatch)
-    assert exc.value.code == 2 and "invalid choice: 'nla'" in capsys.readouterr().err
+        parse(BASE + ['--mtp-loss-type', 'lk_alpha'], miles_extra_args_provider, monkeypatch)
+    assert exc.value.code == 2 and "invalid choice: 'lk_alpha'" in capsys.readouterr().err
     with pytest.raises(ValueError, match='mtp_num_layers'):
         config_from_argv(BASE + ['--mtp-loss-type', 'tv'], monkeypatch)

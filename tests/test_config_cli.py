@@ -45,8 +45,9 @@ def test_install_is_idempotent():
 @pytest.mark.parametrize(
     'kwargs,message',
     [
-        (dict(mtp_num_layers=1, mtp_loss_type='nla'),
-         "mtp_loss_type='nla' is not supported; choose one of ['ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk']"),
+        (dict(mtp_num_layers=1, mtp_loss_type='lk_alpha'),
+         "mtp_loss_type='lk_alpha' is not supported; choose one of "
+         "['ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk', 'nla']"),
         (dict(mtp_num_layers=1, mtp_tv_temperature=0.0), 'mtp_tv_temperature=0.0 is invalid; it must be a finite number > 0'),
         (dict(mtp_num_layers=1, mtp_tv_temperature=-0.7), 'mtp_tv_temperature=-0.7 is invalid'),
         (dict(mtp_num_layers=1, mtp_tv_temperature=float('nan')), 'mtp_tv_temperature=nan is invalid'),
@@ -82,7 +83,7 @@ def test_flags_come_from_megatrons_argument_factory_with_help():
     docs = field_docstrings(megatron.mtp_tv.MTPLossConfig)
     loss_type = actions['mtp_loss_type']
     assert loss_type.option_strings == ['--mtp-loss-type']
-    assert tuple(loss_type.choices) == ('ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk')
+    assert tuple(loss_type.choices) == ('ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk', 'nla')
     assert loss_type.default == 'ce'
     assert actions['mtp_tv_chunk'].option_strings == ['--mtp-tv-chunk'] and actions['mtp_tv_chunk'].type is int
     assert actions['mtp_log_acceptance'].option_strings == ['--mtp-log-acceptance']
@@ -112,7 +113,7 @@ def test_parse_args_round_trip_into_transformer_config(monkeypatch):
     assert tuple(getattr(config, f) for f in fields) == expected
 
 
-@pytest.mark.parametrize('loss_type', ['kl', 'lk', 'cross_entropy'])
+@pytest.mark.parametrize('loss_type', ['kl', 'lk', 'nla', 'cross_entropy'])
 def test_cli_accepts_the_new_loss_types(monkeypatch, loss_type):
     from megatron.training.arguments import parse_args
 
@@ -126,7 +127,7 @@ def test_cli_accepts_the_new_loss_types(monkeypatch, loss_type):
 def test_cli_rejects_unknown_loss_type(monkeypatch, capsys):
     from megatron.training.arguments import parse_args
 
-    monkeypatch.setattr(sys, 'argv', ['x', '--mtp-loss-type', 'nla'])
+    monkeypatch.setattr(sys, 'argv', ['x', '--mtp-loss-type', 'lk_alpha'])
     with pytest.raises(SystemExit):
         parse_args()
-    assert "invalid choice: 'nla'" in capsys.readouterr().err
+    assert "invalid choice: 'lk_alpha'" in capsys.readouterr().err

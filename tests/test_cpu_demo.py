@@ -36,7 +36,7 @@ def run_demo(*args, timeout=240):
 
 
 WARM = ('ce', 'tv', 'e2e_tv')
-COLD = ('cold_ce', 'cold_kl', 'cold_tv', 'cold_lk', 'cold_e2e_tv')
+COLD = ('cold_ce', 'cold_kl', 'cold_tv', 'cold_lk', 'cold_nla', 'cold_e2e_tv')
 DEFAULT_ARMS = [*WARM, 'serve_tv', *COLD]
 
 
@@ -45,7 +45,8 @@ def test_smoke_run(tmp_path):
     res = run_demo(*TINY, '--out-dir', str(out))
     assert res.returncode == 0, res.stdout + res.stderr
     for phase in ('pretrain (A)', 'drift (B)', 'heal ce', 'heal tv', 'heal e2e_tv', 'heal tv T=0.7',
-                  'eval fresh heads', 'cold ce', 'cold kl', 'cold tv', 'cold lk', 'cold e2e_tv'):
+                  'eval fresh heads', 'cold ce', 'cold kl', 'cold tv', 'cold lk', 'cold nla',
+                  'cold e2e_tv'):
         assert phase in res.stderr  # a progress bar per phase
     assert "healed with 'tv'" in res.stdout and 'empirical' in res.stdout
     for title in ('Warm start', 'Cold start', 'Greedy decoding (T=0)',
@@ -308,7 +309,7 @@ def test_demo_helpers_match_gpt_model_forward_for_a_rope_model(megatron_cpu):
 
 
 @pytest.mark.parametrize('arm', ['ce', 'tv', 'e2e_tv', 'kl', 'lk', 'serve_tv', 'serve_lk',
-                                 'cold_ce', 'cold_kl', 'cold_tv', 'cold_lk', 'cold_e2e_tv'])
+                                 'cold_ce', 'cold_kl', 'cold_tv', 'cold_lk', 'cold_nla', 'cold_e2e_tv'])
 def test_heal_step_trains_only_the_heads(megatron_cpu, arm):
     """A training step of every kind of arm (warm, at a temperature, cold start) changes every MTP
     head parameter and no backbone parameter (the shared, tied output weight included), through

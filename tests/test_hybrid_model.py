@@ -5,7 +5,7 @@ the plugin replaces and the patch changes at its source. This builds one with an
 layer pattern (``'*-/*-/*-'``: main ``*-``, then ``*-`` per MTP depth; no Mamba, which needs the
 CUDA-only ``mamba_ssm``) from local modules (``build_hybrid_with_mtp``) and checks the package's
 loss, logged per-depth loss and every parameter gradient (``'tv'``, ``'e2e_tv'``, and
-``'kl'``/``'lk'``) against the independent reference the
+``'kl'``/``'lk'``/``'nla'``) against the independent reference the
 GPTModel tests use (``tests/model_reference.py``: the model's own hidden states, the objective
 from the equations, plain autograd).
 """
@@ -91,6 +91,7 @@ def _assert_same_grads(got, ref):
         ('e2e_tv', 2, 1, False, {'mtp_detach_heads': True}),
         ('kl', 2, 5, True, {}),
         ('lk', 2, 5, False, {}),
+        ('nla', 2, 5, True, {}),
     ],
 )
 def test_hybrid_loss_and_every_gradient_match_reference(loss_type, depth, chunk, tie, overrides):

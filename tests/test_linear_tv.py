@@ -52,7 +52,7 @@ def test_matches_reference(loss_type, G, chunk, fused):
 @pytest.mark.parametrize(
     'loss_type,temperature,eta',
     [('kl', 1.0, 3.0), ('lk', 1.0, 3.0), ('lk', 1.0, 0.0), ('lk', 1.0, 50.0), ('lk', 0.6, 1.5),
-     ('tv', 0.7, 3.0), ('e2e_tv', 1.7, 3.0), ('kl', 0.5, 3.0)],
+     ('tv', 0.7, 3.0), ('e2e_tv', 1.7, 3.0), ('kl', 0.5, 3.0), ('nla', 1.0, 3.0), ('nla', 0.6, 3.0)],
 )
 @pytest.mark.parametrize('G', [1, 3])
 @pytest.mark.parametrize('chunk', [0, 1, 5, 100])
@@ -89,7 +89,7 @@ def test_lk_with_eta_zero_is_kl_and_large_eta_approaches_tv():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
 
 
-@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv', 'kl', 'lk'])
+@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv', 'kl', 'lk', 'nla'])
 @pytest.mark.parametrize('chunk', [0, 1, 5, 100])
 def test_fused_and_recompute_paths_agree_exactly(loss_type, chunk):
     results = []
@@ -224,7 +224,7 @@ def test_greedy_agreement_compares_draft_and_target_argmax():
     assert linear_tv_loss(draft, target, weight, token_weights('kl', masks), loss_type='kl').greedy_agreement is None
 
 
-@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv', 'kl', 'lk'])
+@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv', 'kl', 'lk', 'nla'])
 @pytest.mark.parametrize('chunk', [0, 4])
 def test_empty_local_sequence_gives_a_zero_loss_that_keeps_the_graph(loss_type, chunk):
     draft = torch.randn(2, 0, 3, 8, requires_grad=True)

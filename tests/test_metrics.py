@@ -82,7 +82,7 @@ def _logged_metrics(depth, total_loss_dict=None, **config):
 
 @pytest.mark.parametrize('config', [
     {'mtp_loss_type': 'tv'}, {'mtp_loss_type': 'e2e_tv'}, {'mtp_loss_type': 'kl'},
-    {'mtp_loss_type': 'lk', 'mtp_tv_temperature': 0.7},
+    {'mtp_loss_type': 'lk', 'mtp_tv_temperature': 0.7}, {'mtp_loss_type': 'nla'},
     {'mtp_loss_type': 'ce', 'mtp_log_acceptance': True},
     {'mtp_loss_type': 'ce', 'mtp_log_acceptance': True, 'mtp_tv_temperature': 0.6},
 ])

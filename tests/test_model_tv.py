@@ -112,6 +112,8 @@ def test_loss_and_every_gradient_match_reference(loss_type, depth, chunk):
         ('tv', {'mtp_tv_temperature': 0.7}),
         ('e2e_tv', {'mtp_tv_temperature': 1.8}),
         ('kl', {'mtp_tv_temperature': 0.5}),
+        ('nla', {}),
+        ('nla', {'mtp_tv_temperature': 0.6}),
     ],
 )
 @pytest.mark.parametrize('chunk', [1, 7])  # one position per chunk, a non-divisor
@@ -125,7 +127,7 @@ def test_kl_lk_and_temperature_match_reference(loss_type, overrides, chunk):
     _assert_same_grads(grads, ref_grads)
 
 
-@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv', 'kl', 'lk'])
+@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv', 'kl', 'lk', 'nla'])
 @pytest.mark.parametrize(
     'tie,overrides',
     [

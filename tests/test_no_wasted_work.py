@@ -53,7 +53,7 @@ def _inputs(G=2, s=12, b=2, h=8, V=32):
     return draft, target, weight, masks
 
 
-@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv', 'kl', 'lk'])
+@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv', 'kl', 'lk', 'nla'])
 @pytest.mark.parametrize('fused', [True, False])
 def test_products_in_eval_and_training(loss_type, fused):
     G, chunk_positions = 2, 3

@@ -65,6 +65,7 @@ def _model_worker(rank, loss_type, depth, tie, sequence_parallel):
         ('e2e_tv', 3, True, True),
         ('kl', 2, True, True),
         ('lk', 2, False, False),
+        ('nla', 2, True, True),
     ],
 )
 def test_whole_model_tp2_matches_tp1(loss_type, depth, tie, sequence_parallel):
@@ -173,7 +174,7 @@ def _check_against_reference(results, loss_type, depth, s, seq_bounds, temperatu
 
 
 @pytest.mark.parametrize(
-    'loss_type,depth,temperature', [('tv', 2, 1.0), ('e2e_tv', 3, 1.0), ('lk', 2, 0.7), ('kl', 2, 1.0)]
+    'loss_type,depth,temperature', [('tv', 2, 1.0), ('e2e_tv', 3, 1.0), ('lk', 2, 0.7), ('kl', 2, 1.0), ('nla', 2, 0.8)]
 )
 @pytest.mark.parametrize('cp', [1, 2])
 def test_context_parallel_zigzag_matches_full_sequence(loss_type, depth, temperature, cp):
@@ -182,7 +183,7 @@ def test_context_parallel_zigzag_matches_full_sequence(loss_type, depth, tempera
     _check_against_reference(results, loss_type, depth, s, None, temperature)
 
 
-@pytest.mark.parametrize('loss_type,depth', [('tv', 2), ('e2e_tv', 2), ('kl', 2), ('lk', 2)])
+@pytest.mark.parametrize('loss_type,depth', [('tv', 2), ('e2e_tv', 2), ('kl', 2), ('lk', 2), ('nla', 2)])
 @pytest.mark.parametrize('cp', [1, 2])
 def test_packed_sequences_never_cross_a_boundary(loss_type, depth, cp):
     # Three sequences of different lengths in one row; with CP every slot is a multiple of 4.

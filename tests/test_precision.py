@@ -22,10 +22,10 @@ MAX_RATIO = 2.0
 @pytest.mark.parametrize(
     'dtype,tokens,losses',
     [
-        ('fp16', 1024, ('tv', 'e2e_tv', 'kl', 'lk')),
-        ('fp16', 8192, ('tv',)),
-        ('bf16', 1024, ('tv', 'e2e_tv', 'kl', 'lk')),
-        ('bf16', 4096, ('tv',)),
+        ('fp16', 1024, ('tv', 'e2e_tv', 'kl', 'lk', 'nla')),
+        ('fp16', 8192, ('tv', 'nla')),
+        ('bf16', 1024, ('tv', 'e2e_tv', 'kl', 'lk', 'nla')),
+        ('bf16', 4096, ('tv', 'nla')),
     ],
 )
 def test_gradient_error_is_at_most_twice_megatron_ce(dtype, tokens, losses):

@@ -76,6 +76,18 @@ def test_linear_tv_reference_suite_through_the_kernels():
     assert ' passed' in proc.stdout and 'failed' not in proc.stdout
 
 
+def test_nla_near_zero_acceptance_and_one_hot_identity_through_the_kernels():
+    # 'nla' (-log max(alpha, 1e-5), its 1/alpha coefficients) at alpha ~ 0 and at one-hot targets.
+    proc = subprocess.run(
+        [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', str(ROOT / 'tests/test_nla.py'),
+         '-k', 'near_and_at_zero or one_hot'],
+        env={**os.environ, 'TRITON_INTERPRET': '1', TRITON_ENV: '1', 'PYTHONPATH': str(ROOT)},
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert '6 passed' in proc.stdout
+
+
 def test_dispatch_says_why_the_kernel_is_not_used(monkeypatch):
     monkeypatch.delenv('TRITON_INTERPRET', raising=False)
     monkeypatch.delenv(TRITON_ENV, raising=False)

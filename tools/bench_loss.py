@@ -7,7 +7,7 @@ cross-entropy baseline, so that the ratios survive a noisy machine:
           by Megatron's ``vocab_parallel_cross_entropy``, same hidden states and weight; fused and
           recompute TV. Reports fwd+bwd time, peak extra memory and bytes saved for backward.
 ``mtp``   Megatron's own MTP path: ``process_mtp_loss`` through the installed plugin dispatcher
-          with ``mtp_loss_type`` 'ce' / 'tv' / 'e2e_tv' (and, with one depth, 'kl', 'lk' and
+          with ``mtp_loss_type`` 'ce' / 'tv' / 'e2e_tv' (and, with one depth, 'kl', 'lk', 'nla' and
           'tv' at the automatic default chunk, ``tv-auto``), a real ``ColumnParallelLinear``
           output layer and a stand-in for ``GPTModel.compute_language_model_loss``.
 ``tp``    the ``loss`` rows with the vocabulary sharded over two gloo processes (TP=2).
@@ -46,9 +46,9 @@ from bench_memory import MiB, LiveBytesTracker, SavedTensorsCounter, linear_fit 
 
 FUSED_TIME_TARGET = 1.35  # fused TV fwd+bwd vs CE (issue: per-depth loss and MTP path)
 ANY_TIME_TARGET = 2.5  # any TV mode vs CE
-KL_LK_TIME_TARGET = 1.4  # fused 'kl' / 'lk' fwd+bwd vs CE on the MTP path (peak <= CE's too)
+KL_LK_TIME_TARGET = 1.4  # fused 'kl' / 'lk' / 'nla' vs CE on the MTP path (peak <= CE's too)
 #: MTP-path cases beside the depth-1 'tv' row: the cold-start losses and the default chunk.
-EXTRA_MTP_TYPES = ('kl', 'lk')
+EXTRA_MTP_TYPES = ('kl', 'lk', 'nla')
 SAVED_FRACTION_TARGET = 1 / 8  # TV saved bytes per token vs CE's
 TP_RATIO_TARGET = 1.25  # (TV/CE at TP=2) / (TV/CE at TP=1)
 FLAT_HIDDEN_TENSORS = 4  # "flat": peak grows by at most this many [s, b, h] fp32 tensors/token

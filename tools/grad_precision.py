@@ -111,7 +111,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--tokens', default='1024,4096,8192')
     parser.add_argument('--dtypes', default='bf16,fp16')
-    parser.add_argument('--losses', default='tv,e2e_tv,kl,lk')
+    parser.add_argument('--losses', default='tv,e2e_tv,kl,lk,nla')
     parser.add_argument('--hidden', type=int, default=128)
     parser.add_argument('--vocab', type=int, default=4096)
     args = parser.parse_args(argv)

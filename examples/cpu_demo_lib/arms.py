@@ -11,11 +11,11 @@ No torch here: the command line is checked before anything heavy is imported.
 from typing import Tuple
 
 #: The MTP losses an arm can train with (``mtp_loss_type``).
-LOSSES = ('ce', 'kl', 'tv', 'lk', 'e2e_tv')
+LOSSES = ('ce', 'kl', 'tv', 'lk', 'nla', 'e2e_tv')
 ARMS = LOSSES + tuple(f'serve_{x}' for x in LOSSES if x != 'ce') + tuple(
     f'cold_{x}' for x in LOSSES)
 DEFAULT_ARMS = ('ce', 'tv', 'e2e_tv', 'serve_tv', 'cold_ce', 'cold_kl', 'cold_tv', 'cold_lk',
-                'cold_e2e_tv')
+                'cold_nla', 'cold_e2e_tv')
 
 
 def arm_kind(arm: str) -> Tuple[str, str]:

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 from .arms import arm_kind
 
 ARM_COLORS = {'ce': '#1f77b4', 'tv': '#d62728', 'e2e_tv': '#2ca02c', 'kl': '#9467bd',
-              'lk': '#ff7f0e'}
+              'lk': '#ff7f0e', 'nla': '#8c564b'}
 #: mode -> (teacher-forced key, speculative key) of an evaluation record.
 MODE_KEYS = {'sampled': ('teacher_forced', 'speculative'),
              'greedy': ('teacher_forced_greedy', 'speculative_greedy'),

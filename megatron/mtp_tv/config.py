@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-MTPLossType = Literal['ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk']
+MTPLossType = Literal['ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk', 'nla']
 
 MTP_LOSS_TYPES: tuple = get_args(MTPLossType)
 
@@ -35,7 +35,7 @@ def is_cross_entropy(loss_type: str) -> bool:
 class MTPLossConfig:
     """MTP loss settings (merged into ``TransformerConfig``)."""
 
-    mtp_loss_type: Literal['ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk'] = 'ce'
+    mtp_loss_type: Literal['ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk', 'nla'] = 'ce'
     """Training objective of the Multi-Token Prediction (MTP) heads.
     'ce' (alias 'cross_entropy'): cross-entropy against the data labels (Megatron's original loss).
     'tv': per-depth total variation 1 - sum_v min(p, q_k) between the main model's detached
@@ -46,15 +46,19 @@ class MTPLossConfig:
     'kl': per-depth KL(p || q_k) against the same detached target (self-distillation); learns
     from a cold start, where the TV gradient vanishes.
     'lk': the LK hybrid lambda * KL(p || q_k) + (1 - lambda) * (1 - alpha_k) with
-    lambda = exp(-mtp_lk_eta * alpha_k) held constant: KL while a head is cold, TV once warm."""
+    lambda = exp(-mtp_lk_eta * alpha_k) held constant: KL while a head is cold, TV once warm.
+    'nla': negative log-acceptance -log(max(alpha_k, 1e-5)) (the LK paper's LK^alpha) against the
+    same target: optimises acceptance like 'tv' with no hyper-parameter, and learns from a cold
+    start (at a one-hot target it is cross-entropy). Its gradient is -(1 / max(alpha_k, 1e-5))
+    d alpha_k, kept alive below the 1e-5 floor (where the value is constant), not clamped to 0."""
 
     mtp_tv_chunk: int = 0
-    """Tokens per chunk for the 'tv', 'e2e_tv', 'kl' and 'lk' losses. Draft and target logits
-    exist for one chunk at a time, so the extra memory of the MTP loss is O(chunk * vocab / tp)
-    whatever the sequence length. 0 (default): automatic, the live fp32 logits of a chunk are
-    at most the larger of the [vocab / tp, hidden] fp32 weight gradient and 64 MiB, and at most
-    half of what the cross-entropy path keeps for the same tokens. A chunk holds at least one
-    sequence position (micro-batch size tokens)."""
+    """Tokens per chunk for the 'tv', 'e2e_tv', 'kl', 'lk' and 'nla' losses. Draft and target
+    logits exist for one chunk at a time, so the extra memory of the MTP loss is
+    O(chunk * vocab / tp) whatever the sequence length. 0 (default): automatic, the live fp32
+    logits of a chunk are at most the larger of the [vocab / tp, hidden] fp32 weight gradient and
+    64 MiB, and at most half of what the cross-entropy path keeps for the same tokens. A chunk
+    holds at least one sequence position (micro-batch size tokens)."""
 
     mtp_tv_temperature: float = 1.0
     """Temperature the drafts will be verified at (rejection sampling with target and draft both

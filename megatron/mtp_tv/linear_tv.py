@@ -7,7 +7,7 @@ scaling, ``T``: the temperature drafts are verified at):
 
 * ``alpha_k[t] = sum_v min(p[t + k + 1], q_k[t])`` is the probability that rejection sampling
   accepts the token drafted at depth k (``1 - alpha`` is the total variation distance);
-* the objective is one of :mod:`.losses` (``'tv'``, ``'e2e_tv'``, ``'kl'``, ``'lk'``), a
+* the objective is one of :mod:`.losses` (``'tv'``, ``'e2e_tv'``, ``'kl'``, ``'lk'``, ``'nla'``), a
   weighted sum over tokens of a per-row function of ``alpha`` and ``KL(p || q_k)``.
 
 The weights ``w`` carry the loss mask and the whole normalisation (``scale / num_tokens``), so the
@@ -29,11 +29,12 @@ at all: one projection per chunk.
 Precision: every product accumulates in fp32 and returns fp32. The logits are fp32; the logit
 gradient is formed in fp32 and, for bf16/fp16 weights, rounded to the weight's dtype for the two
 gradient products after scaling by a power of two chosen from the largest row weight (every loss
-bounds ``|dL/dz|`` by its row weight / T), so that fp16 does not flush the tiny per-token
-gradients (``scale / num_tokens`` is folded in here, while Megatron's loss scale only arrives in
-backward) to zero; the stored gradients are fp32 and unscaled in backward. On CUDA the
-low-precision products run as ``torch.mm(..., out_dtype=torch.float32)``; on CPU, which has no
-such kernel, their (already rounded) operands are upcast, which computes the same products.
+states a bound ``|dL/dz| <= grad_bound * w / T``, :attr:`.DraftLoss.grad_bound`), so that fp16
+does not flush the tiny per-token gradients (``scale / num_tokens`` is folded in here, while
+Megatron's loss scale only arrives in backward) to zero; the stored gradients are fp32 and
+unscaled in backward. On CUDA the low-precision products run as
+``torch.mm(..., out_dtype=torch.float32)``; on CPU, which has no such kernel, their (already
+rounded) operands are upcast, which computes the same products.
 
 Ties ``q_v == p_v`` count as ``min = p`` (the detached side): the indicator ``1[q < p]`` is strict,
 so such a vocabulary entry passes no TV gradient (torch.minimum's autograd would pass 1/2).
@@ -64,7 +65,7 @@ from .losses import DraftLoss, make_loss
 from .row_ops import Scratch, select_row_ops
 from .vocab_parallel import ProcessGroup, all_reduce_sum_, group_size, vocab_range
 
-TVLossType = Literal['tv', 'e2e_tv', 'kl', 'lk']
+TVLossType = Literal['tv', 'e2e_tv', 'kl', 'lk', 'nla']
 
 #: Low-precision logit gradients are scaled so that their bound is this power of two: well
 #: inside fp16's range (65504) with 16x headroom for a logit function's derivative (Megatron's
@@ -149,7 +150,7 @@ def linear_tv_loss(
         weight: ``[V/tp, h]`` output-layer weight shard.
         token_weights: loss weights, mask and normalisation included: ``[G, s, b]``, or
             ``[s, b]`` (one weight per chain) for ``'e2e_tv'``.
-        loss_type: ``'tv'``, ``'e2e_tv'``, ``'kl'`` or ``'lk'`` (see :mod:`.losses`).
+        loss_type: ``'tv'``, ``'e2e_tv'``, ``'kl'``, ``'lk'`` or ``'nla'`` (see :mod:`.losses`).
         chunk_size: tokens per chunk (0: :func:`auto_chunk_tokens`). A chunk covers
             ``max(1, chunk_size // b)`` positions.
         tp_group: group the vocabulary is sharded over (None: full vocabulary on this rank).
@@ -303,8 +304,9 @@ def _sweep(draft_hidden, weight, target_hidden, token_weights, plan: _Plan, draf
     loss = torch.zeros((), dtype=torch.float32, device=device)
     want_grad = draft_grad or weight_grad
     products = _Products(weight)
-    # dL/dz of every row is bounded by its weight / T; the stored gradients carry grad_scale.
-    grad_scale = products.gradient_scale(token_weights, plan.inv_temperature)
+    # dL/dz of every row is at most grad_bound * its weight / T (each loss states grad_bound);
+    # the stored gradients carry grad_scale.
+    grad_scale = products.gradient_scale(token_weights, loss_fn.grad_bound * plan.inv_temperature)
     coef_scale = grad_scale * plan.inv_temperature
     grad_draft = torch.zeros(draft_hidden.shape, dtype=torch.float32, device=device) if draft_grad else None
     # fp32 accumulation across chunks (the weight gradient sums every token of the batch). The
@@ -433,13 +435,14 @@ class _Products:
         self.low_precision = weight.dtype != torch.float32
         self._weight32 = None
 
-    def gradient_scale(self, token_weights: torch.Tensor, inv_temperature: float) -> torch.Tensor:
-        """Power of two that brings the logit gradient's bound ``max(w) / T`` to ``_GRAD_BOUND``
-        (1 for fp32 weights, where no rounding happens). A device scalar: no host sync."""
+    def gradient_scale(self, token_weights: torch.Tensor, bound_per_weight: float) -> torch.Tensor:
+        """Power of two that brings the logit gradient's bound ``max(w) * bound_per_weight``
+        (the loss's ``grad_bound / T``) to ``_GRAD_BOUND`` (1 for fp32 weights, where no rounding
+        happens). A device scalar: no host sync."""
         one = torch.ones((), dtype=torch.float32, device=token_weights.device)
         if not self.low_precision or token_weights.numel() == 0:
             return one
-        bound = token_weights.abs().amax() * inv_temperature
+        bound = token_weights.abs().amax() * bound_per_weight
         exponent = (math.log2(_GRAD_BOUND) - torch.ceil(torch.log2(bound))).clamp(-100, 100)
         return torch.where(bound > 0, torch.exp2(exponent), one)
 

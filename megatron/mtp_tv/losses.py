@@ -10,9 +10,16 @@ gradient (with respect to the logits divided by ``T``)::
 
     dL/dz = tv_coef * q * (dot - 1[q < p]) + kl_coef * (q - p)
 
-since ``d alpha / dz = q * (1[q < p] - dot)`` and ``d KL / dz = q - p``. Every loss here keeps
-``|tv_coef| + |kl_coef| <= w`` per row, which the sweep relies on to scale low-precision logit
-gradients without looking at them.
+since ``d alpha / dz = q * (1[q < p] - dot)`` and ``d KL / dz = q - p``.
+
+Low-precision contract: every loss states :attr:`DraftLoss.grad_bound`, a number ``c`` with
+``max_v |dL/dz_v| <= c * w`` for every row, whatever the logits; the sweep scales bf16/fp16 logit
+gradients by a power of two chosen from ``c * max(w) / T`` without looking at them. The bound is on
+the gradient entries, not on the coefficients: ``|d alpha/dz_v| <= alpha`` and
+``|d KL/dz_v| <= 1`` (``dot <= alpha`` since its terms are a subset of alpha's, and ``q_v <= alpha``
+wherever ``q_v < p_v``), so ``|tv_coef| * alpha + |kl_coef| <= c * w`` suffices. The TV, KL and
+LK losses have ``|tv_coef| + |kl_coef| <= w`` (``c = 1``); ``'nla'``'s ``tv_coef = w / alpha_f``
+is unbounded, yet ``tv_coef * alpha <= w`` (``c = 1`` too).
 
 Adding a loss means adding a class here; the sweep does not change. No Megatron imports.
 """
@@ -54,6 +61,9 @@ class DraftLoss:
     tv_grad: bool = False
     kl_grad: bool = False
     row_local: bool = True
+    grad_bound: float = 1.0
+    """``c`` with ``max_v |dL/dz_v| <= c * w`` per row (dL/dz w.r.t. the logits divided by T); the
+    sweep's low-precision gradient scaling relies on it (see the module docstring)."""
 
     def terms(self, alpha: torch.Tensor, kl: Optional[torch.Tensor], w: torch.Tensor) -> LossTerms:
         """The chunk's objective and gradient coefficients.
@@ -159,7 +169,38 @@ class LKLoss(DraftLoss):
         return lam * kl + (1.0 - lam) * (1.0 - alpha)
 
 
-LOSSES: Dict[str, Type[DraftLoss]] = {cls.name: cls for cls in (TVLoss, EndToEndTVLoss, KLLoss, LKLoss)}
+#: Floor of alpha inside ``'nla'``'s logarithm (speculators' ``nla`` clamps at the same value).
+NLA_ALPHA_FLOOR = 1e-5
+
+
+class NLALoss(DraftLoss):
+    """``'nla'``: ``-log(alpha_f)`` per depth, ``alpha_f = max(alpha_k, NLA_ALPHA_FLOOR)`` (the LK
+    losses paper's LK^alpha, arXiv 2602.23881; speculators' ``nla``).
+
+    Optimises acceptance directly like ``'tv'`` and has no hyper-parameter. Gradient: ``dL/dalpha
+    = -1/alpha_f`` everywhere, i.e. ``tv_coef = w / alpha_f``; below the floor the value is the
+    constant ``-log(1e-5) = 11.51`` but the gradient is kept alive as ``-(w / 1e-5) d alpha/dz``
+    (a clamp, as in speculators, would zero it there), so a cold head far below the floor still
+    learns. It does not vanish from a cold start: at a one-hot target ``p = e_y``,
+    ``alpha = q_y`` and the loss is cross-entropy ``-log q_y`` with its gradient ``q - e_y``
+    (above the floor). The coefficient is not bounded by ``w`` but the logit gradient is:
+    ``|d alpha/dz_v| <= alpha``, so ``|dL/dz_v| <= w alpha / alpha_f <= w`` (``grad_bound = 1``).
+    Finite at alpha = 0 (value 11.51, gradient 0 there since ``d alpha/dz`` vanishes with alpha).
+    """
+
+    name = 'nla'
+    tv_grad = True
+
+    def row_coefficients(self, alpha, w):
+        return w / alpha.clamp(min=NLA_ALPHA_FLOOR), None
+
+    def per_token(self, alpha, kl):
+        return -torch.log(alpha.clamp(min=NLA_ALPHA_FLOOR))
+
+
+LOSSES: Dict[str, Type[DraftLoss]] = {
+    cls.name: cls for cls in (TVLoss, EndToEndTVLoss, KLLoss, LKLoss, NLALoss)
+}
 
 
 def make_loss(loss_type: str, lk_eta: float = 3.0) -> DraftLoss:

@@ -70,7 +70,8 @@ def process_mtp_tv_loss(
     sequence_roll_context=None,
     metrics_only: bool = False,
 ) -> Tensor:
-    """The ``'tv'`` / ``'e2e_tv'`` / ``'kl'`` / ``'lk'`` MTP loss (see :mod:`megatron.mtp_tv.linear_tv`).
+    """The ``'tv'`` / ``'e2e_tv'`` / ``'kl'`` / ``'lk'`` / ``'nla'`` MTP loss (see
+    :mod:`megatron.mtp_tv.linear_tv`).
 
     ``metrics_only`` computes and logs the acceptance metrics without attaching a loss (used for
     ``mtp_log_acceptance`` with the CE loss, under ``torch.no_grad``).
