@@ -192,14 +192,26 @@ def _ensure_importable() -> None:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run(args: argparse.Namespace) -> Dict:
-    """The experiment; returns everything that goes into results.json."""
+def start_megatron(threads: int) -> None:
+    """Quiet megatron-core's CPU warnings, install the plugin, fix torch's threads and make its
+    algorithms deterministic (a demo's numbers depend on the seed alone)."""
     import torch
 
     from megatron.mtp_tv.testing.cpu import quiet_megatron_warnings
 
     quiet_megatron_warnings()
     import megatron.mtp_tv
+
+    megatron.mtp_tv.install()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+
+
+def run(args: argparse.Namespace) -> Dict:
+    """The experiment; returns everything that goes into results.json."""
+    import torch
+
+    start_megatron(args.threads)
     from megatron.mtp_tv.metrics import acceptance_metrics
     from megatron.mtp_tv.testing.distributed import single_process
 
@@ -208,9 +220,6 @@ def run(args: argparse.Namespace) -> Dict:
     from cpu_demo_lib import model as M
     from cpu_demo_lib.progress import Progress
 
-    megatron.mtp_tv.install()
-    torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True)
     started, cpu_started = time.monotonic(), _cpu_seconds()
     timings: Dict[str, float] = {}
     domain_a, domain_b = args.corpus_a_data, args.corpus_b_data

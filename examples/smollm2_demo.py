@@ -29,13 +29,12 @@ import argparse
 import math
 import os
 import platform
-import resource
 import sys
 import time
 from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cpu_demo_lib, smollm2_lib
-from cpu_demo import _ensure_importable, _Parser  # noqa: E402
+from cpu_demo import _cpu_seconds, _ensure_importable, _Parser, start_megatron  # noqa: E402
 from cpu_demo_lib.arms import arm_kind  # noqa: E402
 
 WARM_LOSSES = ('ce', 'tv', 'e2e_tv', 'lk')
@@ -143,20 +142,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def run(args: argparse.Namespace) -> Dict:
     """The experiment; returns everything that goes into results.json."""
     import torch
     from tqdm.auto import tqdm
 
-    from megatron.mtp_tv.testing.cpu import quiet_megatron_warnings
-
-    quiet_megatron_warnings()
-    import megatron.mtp_tv
+    start_megatron(args.threads)
     from megatron.mtp_tv.metrics import acceptance_metrics
     from megatron.mtp_tv.testing.distributed import single_process
 
@@ -167,9 +158,6 @@ def run(args: argparse.Namespace) -> Dict:
     from smollm2_lib import heads as H
     from smollm2_lib import weights as W
 
-    megatron.mtp_tv.install()
-    torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True)
     started, cpu_started = time.monotonic(), _cpu_seconds()
     timings: Dict[str, float] = {}
     load: Dict[str, List[float]] = {}

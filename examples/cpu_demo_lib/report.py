@@ -180,23 +180,46 @@ def write_json(path: str, payload: Dict) -> None:
         f.write('\n')
 
 
+def pyplot():
+    """``(matplotlib.pyplot, None)`` with the file-only Agg backend, or ``(None, why not)``."""
+    try:
+        import matplotlib
+
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        return None, f'matplotlib is not installed ({err})'
+    return plt, None
+
+
+def save_figure(plt, fig, path: str, title: Optional[str], dpi: int) -> None:
+    """Title (small), tight layout, write ``path`` (its folder made), close."""
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
+def evaluations_by_arm(evaluations: List[Dict]) -> Dict[str, List[Dict]]:
+    """The evaluation records grouped by arm, in the order they were made."""
+    by_arm: Dict[str, List[Dict]] = {}
+    for e in evaluations:
+        by_arm.setdefault(e['arm'], []).append(e)
+    return by_arm
+
+
 def plot(path: str, evaluations: List[Dict], arms: List[str], gamma: int,
          title: Optional[str] = None) -> Optional[str]:
     """Accepted drafts per verify step vs healing step per arm, and the final per-depth alpha.
 
     Returns None on success, or the reason the plot was skipped (matplotlib missing).
     """
-    try:
-        import matplotlib
-
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError as err:  # the numbers are still in results.json and the table
-        return f'matplotlib is not installed ({err})'
-
-    by_arm: Dict[str, List[Dict]] = {}
-    for e in evaluations:
-        by_arm.setdefault(e['arm'], []).append(e)
+    plt, skipped = pyplot()
+    if skipped:  # the numbers are still in results.json and the table
+        return skipped
+    by_arm = evaluations_by_arm(evaluations)
     drifted = by_arm['drifted'][0]
     pretrained = by_arm['pretrained'][0]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={'width_ratios': [3, 2]})
@@ -242,12 +265,7 @@ def plot(path: str, evaluations: List[Dict], arms: List[str], gamma: int,
     bx.set_title('Per-depth acceptance at the end')
     bx.legend(fontsize=7, loc='lower right')
     bx.grid(alpha=0.3, axis='y')
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, path, title, dpi=110)
     return None
 
 
@@ -255,17 +273,10 @@ def plot_cold(path: str, evaluations: List[Dict], arms: List[str], curves: Dict[
               gamma: int, title: Optional[str] = None) -> Optional[str]:
     """The cold-start arms: accepted drafts per verify step against training steps at T=1 and
     greedy, and the heads' gradient norm per step. Returns None, or why it was skipped."""
-    try:
-        import matplotlib
-
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        return f'matplotlib is not installed ({err})'
-
-    by_arm: Dict[str, List[Dict]] = {}
-    for e in evaluations:
-        by_arm.setdefault(e['arm'], []).append(e)
+    plt, skipped = pyplot()
+    if skipped:
+        return skipped
+    by_arm = evaluations_by_arm(evaluations)
     start = by_arm['cold_init'][0]
     fig, (ax, gx, nx) = plt.subplots(1, 3, figsize=(16, 4.8),
                                      gridspec_kw={'width_ratios': [3, 3, 2.4]})
@@ -320,10 +331,5 @@ def plot_cold(path: str, evaluations: List[Dict], arms: List[str], curves: Dict[
     nx.set_title('Gradient norm of each loss')
     nx.grid(alpha=0.3, which='both')
     nx.legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(plt, fig, path, title, dpi=100)
     return None

@@ -1,11 +1,10 @@
 """The SmolLM2 demo's outputs beyond the toy demo's tables (``cpu_demo_lib.report``, reused):
 the teacher-forced table at the serving temperature and the plot."""
 
-import os
 from typing import Dict, List, Optional
 
 from cpu_demo_lib.arms import arm_kind
-from cpu_demo_lib.report import arm_color, arm_label, fmt
+from cpu_demo_lib.report import arm_color, arm_label, evaluations_by_arm, fmt, pyplot, save_figure
 
 TABLE_TITLES = {
     'warm': "Warm heads ('ce' on domain A) continued on domain B, sampling at T=1",
@@ -49,17 +48,10 @@ def plot(path: str, evaluations: List[Dict], curves: Dict[str, Dict], arms: List
     """Held-out acceptance against step for every arm (cold and warm panels: teacher-forced
     predicted accepted drafts at T=1, lines; speculative decoding at the end, dots) and each
     arm's gradient norm per step. Returns None, or why it was skipped."""
-    try:
-        import matplotlib
-
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        return f'matplotlib is not installed ({err})'
-
-    by_arm: Dict[str, List[Dict]] = {}
-    for e in evaluations:
-        by_arm.setdefault(e['arm'], []).append(e)
+    plt, skipped = pyplot()
+    if skipped:
+        return skipped
+    by_arm = evaluations_by_arm(evaluations)
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.8))
     panels = [(axes[0], 'cold', 'cold_init', 'teacher_forced', 'speculative', 'T=1'),
               (axes[1], 'cold', 'cold_init', 'teacher_forced_greedy', 'speculative_greedy',
@@ -95,10 +87,5 @@ def plot(path: str, evaluations: List[Dict], curves: Dict[str, Dict], arms: List
     nx.set_title('Gradient norm of each loss (solid: cold, dotted: warm)', fontsize=10)
     nx.grid(alpha=0.3, which='both')
     nx.legend(fontsize=6, ncol=2)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(plt, fig, path, title, dpi=100)
     return None
