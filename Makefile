@@ -1,4 +1,6 @@
 # make demo   - set up .venv (first time: 1-3 min of downloads) and run the CPU demo
+# make demo-smollm2 - also the pinned Hugging Face stack, then the SmolLM2-135M demo (real
+#               pretrained model, 49k vocabulary; examples/smollm2_demo.py, docs/smollm2_demo.md)
 # make test   - set up .venv and run the whole test suite
 # make bench  - set up .venv and run the loss benchmark
 # make setup  - only create/refresh .venv (tools/setup_env.sh; ~1 s when up to date)
@@ -15,7 +17,7 @@ PY := .venv/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-hf demo test test-patched patches bench
+.PHONY: setup setup-hf demo demo-smollm2 test test-patched patches bench
 
 setup:
 	@bash tools/setup_env.sh
@@ -25,6 +27,9 @@ setup-hf:
 
 demo: setup
 	$(PY) examples/cpu_demo.py $(ARGS)
+
+demo-smollm2: setup-hf
+	$(PY) examples/smollm2_demo.py $(ARGS)
 
 # pytest exits 5 when it collected no tests; that must fail `make test` (and CI) loudly.
 test: setup-hf

@@ -201,14 +201,26 @@ def progress_bar(label: str, total: int):
                 mininterval=0.1 if sys.stderr.isatty() else 30.0)
 
 
-def run(args: argparse.Namespace) -> Dict:
-    """The experiment; returns everything that goes into results.json."""
+def start_megatron(threads: int) -> None:
+    """Quiet megatron-core's CPU warnings, install the plugin, fix torch's threads and make its
+    algorithms deterministic (a demo's numbers depend on the seed alone)."""
     import torch
 
     from megatron.mtp_tv.testing.cpu import quiet_megatron_warnings
 
     quiet_megatron_warnings()
     import megatron.mtp_tv
+
+    megatron.mtp_tv.install()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+
+
+def run(args: argparse.Namespace) -> Dict:
+    """The experiment; returns everything that goes into results.json."""
+    import torch
+
+    start_megatron(args.threads)
     from megatron.mtp_tv.metrics import acceptance_metrics
     from megatron.mtp_tv.testing.distributed import single_process
 
@@ -216,9 +228,6 @@ def run(args: argparse.Namespace) -> Dict:
     from cpu_demo_lib import evaluate as E
     from cpu_demo_lib import model as M
 
-    megatron.mtp_tv.install()
-    torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True)
     started, cpu_started = time.monotonic(), _cpu_seconds()
     timings: Dict[str, float] = {}
     domain_a, domain_b = args.corpus_a_data, args.corpus_b_data

@@ -274,6 +274,40 @@ def test_demo_forward_matches_gpt_model_forward(megatron_cpu):
             float(plugin['mtp_expected_accepted_drafts_greedy']), abs=1e-5)
 
 
+def test_demo_helpers_match_gpt_model_forward_for_a_rope_model(megatron_cpu):
+    """For a rope model (SmolLM2's kind) the helpers pass ``rotary_pos_emb`` as GPTModel.forward
+    does: main and MTP states equal the model's own, one depth at a time too, and with cached
+    main states. Without rope the states differ far beyond the tolerance (checked, so the test can
+    fail; on SmolLM2 itself by up to 30)."""
+    from megatron.mtp_tv.testing.cpu import causal_attention_mask
+    from megatron.mtp_tv.testing.models import (
+        build_gpt_with_mtp, capture_mtp_hidden_states, forward_loss)
+
+    from cpu_demo_lib import model as M
+
+    model = build_gpt_with_mtp(vocab_size=64, hidden_size=32, num_layers=2, mtp_num_layers=2,
+                               seq_length=24, num_attention_heads=4, seed=3,
+                               position_embedding_type='rope', rotary_base=100000)
+    tokens = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    with torch.no_grad(), capture_mtp_hidden_states(model) as cap:
+        forward_loss(model, tokens, labels=None)
+    ours = M.hidden_states(model, tokens, 2)
+    for k in range(3):
+        torch.testing.assert_close(ours[k], cap.chunks[k], rtol=0, atol=1e-5)
+    cached = M.hidden_states(model, tokens, 2, main=cap.chunks[0])
+    for k in range(3):
+        torch.testing.assert_close(cached[k], cap.chunks[k], rtol=0, atol=1e-5)
+    previous = M.main_states(model, tokens)
+    for k in range(2):
+        previous = M.mtp_depth(model, k, previous, tokens)
+        torch.testing.assert_close(previous, cap.chunks[k + 1], rtol=0, atol=1e-5)
+    with torch.no_grad():  # the old call, without rotary_pos_emb: silently wrong
+        embedded = model.embedding(input_ids=tokens, position_ids=None)
+        no_rope = model.decoder(hidden_states=embedded, attention_mask=causal_attention_mask(24))
+    assert (no_rope - cap.chunks[0]).abs().max() > 100 * 1e-5  # far outside the tolerance above
+
+
 @pytest.mark.parametrize('arm', ['ce', 'tv', 'e2e_tv', 'kl', 'lk', 'serve_tv', 'serve_lk',
                                  'cold_ce', 'cold_kl', 'cold_tv', 'cold_lk', 'cold_nla', 'cold_e2e_tv'])
 def test_heal_step_trains_only_the_heads(megatron_cpu, arm):

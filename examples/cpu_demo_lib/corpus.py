@@ -100,7 +100,20 @@ def load_corpus(name: str, path: Optional[str], default: str, min_tokens: int) -
     else:
         data, source = pydoc_topics_bytes(), 'pydoc_data.topics (English docs)'
     tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-    blocks = torch.arange(tokens.numel()) // BLOCK
+    train, held_out = split_held_out(tokens, name, source, min_tokens, BLOCK, 'bytes')
+    return Corpus(name, source, train, held_out, len(data), hashlib.sha256(data).hexdigest())
+
+
+def split_held_out(tokens: torch.Tensor, name: str, source: str, min_tokens: int, block: int,
+                   unit: str = 'tokens'):
+    """``(train, held_out)``: every ``HELD_OUT_EVERY``-th block of ``block`` tokens held out.
+
+    A corpus too small for that holds out its last tenth; one too small for a ``min_tokens``
+    window in each split raises :class:`CorpusError` (``unit`` names its tokens in the message).
+    """
+    import torch
+
+    blocks = torch.arange(tokens.numel()) // block
     held = blocks % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
     train, held_out = tokens[~held], tokens[held]
     if held_out.numel() < min_tokens:  # a small file: hold out its last tenth instead
@@ -108,11 +121,11 @@ def load_corpus(name: str, path: Optional[str], default: str, min_tokens: int) -
         train, held_out = tokens[:cut], tokens[cut:]
     if train.numel() < min_tokens or held_out.numel() < min_tokens:
         raise CorpusError(
-            f'corpus {name} ({source}) has {tokens.numel()} bytes; it needs at least '
+            f'corpus {name} ({source}) has {tokens.numel()} {unit}; it needs at least '
             f'{2 * min_tokens} (one {min_tokens}-token window for training and one held out); '
             'use a longer file or a smaller --seq-length'
         )
-    return Corpus(name, source, train, held_out, len(data), hashlib.sha256(data).hexdigest())
+    return train, held_out
 
 
 def windows(tokens: torch.Tensor, count: int, length: int, generator: torch.Generator) -> torch.Tensor:

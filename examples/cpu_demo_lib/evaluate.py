@@ -26,7 +26,7 @@ verifier's p is conditioned on those drafts too.
 """
 
 import math
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -62,7 +62,8 @@ def _chain_stats(alpha: torch.Tensor, last: int) -> Dict:
 
 @torch.no_grad()
 def teacher_forced_modes(model, windows: torch.Tensor, gamma: int, modes: Dict[str, float],
-                         batch_size: int = 64) -> Dict[str, Dict]:
+                         batch_size: int = 64,
+                         main: Optional[torch.Tensor] = None) -> Dict[str, Dict]:
     """Per-depth acceptance and predicted accepted drafts on real text, for several serving modes
     from one forward pass.
 
@@ -70,6 +71,8 @@ def teacher_forced_modes(model, windows: torch.Tensor, gamma: int, modes: Dict[s
         windows: ``[N, s]`` held-out token windows.
         gamma: number of draft depths used (<= the model's MTP depth).
         modes: name -> temperature (``0``: greedy agreement instead of ``sum min``).
+        main: ``[s, N, h]`` the main decoder's states of ``windows`` computed before (a frozen
+            backbone's, cached); None: computed here.
 
     Returns:
         Per mode: ``alpha`` (list of gamma mean/se dicts; greedy: the agreement rate),
@@ -91,7 +94,8 @@ def teacher_forced_modes(model, windows: torch.Tensor, gamma: int, modes: Dict[s
     grads: Dict[str, List[torch.Tensor]] = {name: [] for name, t in modes.items() if t > 0}
     for start in range(0, num, batch_size):
         tokens = windows[start : start + batch_size]
-        states = hidden_states(model, tokens, gamma)
+        states = hidden_states(model, tokens, gamma,
+                               None if main is None else main[:, start : start + batch_size])
         z_main = project(model, states[0])  # [s, b, V]
         targets = {name: (z_main.argmax(-1) if t == 0 else probabilities(z_main, t))
                    for name, t in modes.items()}
@@ -132,7 +136,7 @@ def teacher_forced(model, windows: torch.Tensor, gamma: int, batch_size: int = 6
 @torch.no_grad()
 def speculative_decoding(
     model, prompts: torch.Tensor, gamma: int, seed: int, temperature: float = 1.0,
-    batch_size: int = 256,
+    batch_size: int = 256, prompt_states: Optional[torch.Tensor] = None,
 ) -> Dict:
     """One speculative verify step from each prompt, drafting with the MTP heads.
 
@@ -143,6 +147,9 @@ def speculative_decoding(
             so arms are compared on common random numbers.
         temperature: both models sample at it; 0 is greedy (argmax drafts, greedy verification,
             no randomness).
+        prompt_states: ``[n+1, P, h]`` the main decoder's states of ``prompts`` computed before
+            (a frozen backbone's, cached); None: computed here. The verify pass over the drafts
+            always runs the decoder.
 
     Returns:
         ``accepted`` (mean/se of accepted drafts per verify step over prompts), ``tokens_per_step``
@@ -166,7 +173,11 @@ def speculative_decoding(
     for start in range(0, prompts.shape[0], batch_size):
         prompt = prompts[start : start + batch_size]
         seq = torch.cat([prompt, prompt.new_zeros(prompt.shape[0], gamma + 1)], dim=1)
-        hidden = main_states(model, seq)  # positions <= n see only the prompt
+        if prompt_states is None:
+            hidden = main_states(model, seq)  # positions <= n see only the prompt
+        else:  # later positions are never read at position n (causal): zeros stand in for them
+            cached = prompt_states[:, start : start + batch_size]
+            hidden = torch.cat([cached, cached.new_zeros(gamma + 1, *cached.shape[1:])])
         token, _ = draw(project(model, hidden[n : n + 1])[0])
         seq[:, n + 1 : n + 2] = token
         drafts, draft_probs = [], []

@@ -189,31 +189,33 @@ def make_optimizer(params, lr: float, steps: int):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def rotary_pos_emb(model, seq: int) -> Optional[torch.Tensor]:
+    """The rotary embedding ``GPTModel.forward`` computes for ``seq`` tokens, None without rope.
+
+    Calling the decoder or an MTP layer directly without it runs and is silently wrong for a
+    rope model (no position information at all): every helper below passes it.
+    """
+    if getattr(model, 'position_embedding_type', None) != 'rope':
+        return None
+    return model.rotary_pos_emb(seq)
+
+
 @torch.no_grad()
-def hidden_states(model, tokens: torch.Tensor, num_depths: int) -> List[torch.Tensor]:
+def hidden_states(model, tokens: torch.Tensor, num_depths: int,
+                  main: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """Main and MTP hidden states without computing any loss: ``[main, depth_0, .., depth_{n-1}]``.
 
     The same submodule calls as ``GPTModel.forward`` -> ``MultiTokenPredictionBlock.forward`` for
-    this model (learned absolute positions, no packing), stopping after ``num_depths`` MTP layers,
-    so that drafting depth k costs only the layers it needs. Each tensor is ``[s, b, h]``; depth k
-    at position t has seen the tokens up to ``t + k + 1``. (The test suite checks this against the
-    model's own forward.)
+    this model (learned absolute positions or rope, no packing), stopping after ``num_depths`` MTP
+    layers, so that drafting depth k costs only the layers it needs. Each tensor is ``[s, b, h]``;
+    depth k at position t has seen the tokens up to ``t + k + 1``. ``main``, if given, is the
+    main decoder's output for ``tokens`` computed before (a frozen backbone's cached states): the
+    decoder is then not run. (The test suite checks this against the model's own forward.)
     """
-    from megatron.mtp_tv.testing.cpu import causal_attention_mask
-
-    model.eval()
-    batch, seq = tokens.shape
-    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, seq)
-    mask = causal_attention_mask(seq)
-    embedded = model.embedding(input_ids=tokens, position_ids=position_ids)
-    hidden = model.decoder(hidden_states=embedded, attention_mask=mask)
+    hidden = main_states(model, tokens) if main is None else main
     out = [hidden]
-    input_ids = tokens
-    for layer in list(model.mtp.layers)[:num_depths]:
-        hidden, input_ids, position_ids, _ = layer(
-            input_ids=input_ids, position_ids=position_ids, hidden_states=hidden,
-            attention_mask=mask, embedding=model.embedding,
-        )
+    for depth in range(num_depths):
+        hidden = mtp_depth(model, depth, hidden, tokens)
         out.append(hidden)
     return out
 
@@ -227,7 +229,8 @@ def main_states(model, tokens: torch.Tensor) -> torch.Tensor:
     batch, seq = tokens.shape
     position_ids = torch.arange(seq).unsqueeze(0).expand(batch, seq)
     embedded = model.embedding(input_ids=tokens, position_ids=position_ids)
-    return model.decoder(hidden_states=embedded, attention_mask=causal_attention_mask(seq))
+    return model.decoder(hidden_states=embedded, attention_mask=causal_attention_mask(seq),
+                         rotary_pos_emb=rotary_pos_emb(model, seq))
 
 
 @torch.no_grad()
@@ -241,10 +244,16 @@ def mtp_depth(model, depth: int, previous: torch.Tensor, tokens: torch.Tensor) -
     :func:`hidden_states`. Depth k at position t reads tokens up to ``t + k + 1`` only: speculative
     decoding calls it once per drafted token on a sequence whose later tokens are not drawn yet.
     """
+    model.eval()
+    return mtp_depth_forward(model, depth, previous, tokens)
+
+
+def mtp_depth_forward(model, depth: int, previous: torch.Tensor,
+                      tokens: torch.Tensor) -> torch.Tensor:
+    """:func:`mtp_depth` in the current mode and grad setting (for training on cached states)."""
     from megatron.core.transformer.multi_token_prediction import roll_tensor
     from megatron.mtp_tv.testing.cpu import causal_attention_mask
 
-    model.eval()
     batch, seq = tokens.shape
     input_ids = tokens
     position_ids = torch.arange(seq).unsqueeze(0).expand(batch, seq)
@@ -254,6 +263,7 @@ def mtp_depth(model, depth: int, previous: torch.Tensor, tokens: torch.Tensor) -
     hidden, *_ = model.mtp.layers[depth](
         input_ids=input_ids, position_ids=position_ids, hidden_states=previous,
         attention_mask=causal_attention_mask(seq), embedding=model.embedding,
+        rotary_pos_emb=rotary_pos_emb(model, seq),
     )
     return hidden
 

@@ -78,8 +78,11 @@ def _row(record: Dict, mode: str, label: str) -> Dict:
 
 
 def build_tables(evaluations: List[Dict], arms: List[str], heal_steps: int, cold_steps: int,
-                 serving_temperature: Optional[float] = None) -> Dict[str, List[Dict]]:
-    """The tables (see the module docstring); a table whose arms were not run is left out."""
+                 serving_temperature: Optional[float] = None,
+                 labels: Optional[Dict[str, str]] = None) -> Dict[str, List[Dict]]:
+    """The tables (see the module docstring); a table whose arms were not run is left out, and
+    so is a reference model ('pretrained', 'drifted', 'cold_init') that was not evaluated.
+    ``labels`` overrides :func:`arm_label` for some arms."""
     by_key = {(e['arm'], e['step']): e for e in evaluations}
     final = {arm: by_key[(arm, cold_steps if arm_kind(arm)[0] == 'cold' else heal_steps)]
              for arm in arms}
@@ -94,10 +97,13 @@ def build_tables(evaluations: List[Dict], arms: List[str], heal_steps: int, cold
                        + (['cold_init'] + cold if cold else [])),
             'serving': ('serving', ['pretrained', 'drifted'] + warm + serve if serve else [])}
     tables = {}
+    labels = labels or {}
     for name, (mode, members) in plan.items():
+        members = [a for a in members if a in final]
         if not members:
             continue
-        rows = {a: _row(final[a], mode, arm_label(a, serving_temperature)) for a in members}
+        rows = {a: _row(final[a], mode, labels.get(a) or arm_label(a, serving_temperature))
+                for a in members}
         for arm, row in rows.items():
             is_cold = arm in cold or arm == 'cold_init'
             for key, reference in (('vs_ce', 'cold_ce' if is_cold else 'ce'),
@@ -174,23 +180,46 @@ def write_json(path: str, payload: Dict) -> None:
         f.write('\n')
 
 
+def pyplot():
+    """``(matplotlib.pyplot, None)`` with the file-only Agg backend, or ``(None, why not)``."""
+    try:
+        import matplotlib
+
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        return None, f'matplotlib is not installed ({err})'
+    return plt, None
+
+
+def save_figure(plt, fig, path: str, title: Optional[str], dpi: int) -> None:
+    """Title (small), tight layout, write ``path`` (its folder made), close."""
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
+def evaluations_by_arm(evaluations: List[Dict]) -> Dict[str, List[Dict]]:
+    """The evaluation records grouped by arm, in the order they were made."""
+    by_arm: Dict[str, List[Dict]] = {}
+    for e in evaluations:
+        by_arm.setdefault(e['arm'], []).append(e)
+    return by_arm
+
+
 def plot(path: str, evaluations: List[Dict], arms: List[str], gamma: int,
          title: Optional[str] = None) -> Optional[str]:
     """Accepted drafts per verify step vs healing step per arm, and the final per-depth alpha.
 
     Returns None on success, or the reason the plot was skipped (matplotlib missing).
     """
-    try:
-        import matplotlib
-
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError as err:  # the numbers are still in results.json and the table
-        return f'matplotlib is not installed ({err})'
-
-    by_arm: Dict[str, List[Dict]] = {}
-    for e in evaluations:
-        by_arm.setdefault(e['arm'], []).append(e)
+    plt, skipped = pyplot()
+    if skipped:  # the numbers are still in results.json and the table
+        return skipped
+    by_arm = evaluations_by_arm(evaluations)
     drifted = by_arm['drifted'][0]
     pretrained = by_arm['pretrained'][0]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={'width_ratios': [3, 2]})
@@ -236,12 +265,7 @@ def plot(path: str, evaluations: List[Dict], arms: List[str], gamma: int,
     bx.set_title('Per-depth acceptance at the end')
     bx.legend(fontsize=7, loc='lower right')
     bx.grid(alpha=0.3, axis='y')
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, path, title, dpi=110)
     return None
 
 
@@ -249,17 +273,10 @@ def plot_cold(path: str, evaluations: List[Dict], arms: List[str], curves: Dict[
               gamma: int, title: Optional[str] = None) -> Optional[str]:
     """The cold-start arms: accepted drafts per verify step against training steps at T=1 and
     greedy, and the heads' gradient norm per step. Returns None, or why it was skipped."""
-    try:
-        import matplotlib
-
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        return f'matplotlib is not installed ({err})'
-
-    by_arm: Dict[str, List[Dict]] = {}
-    for e in evaluations:
-        by_arm.setdefault(e['arm'], []).append(e)
+    plt, skipped = pyplot()
+    if skipped:
+        return skipped
+    by_arm = evaluations_by_arm(evaluations)
     start = by_arm['cold_init'][0]
     fig, (ax, gx, nx) = plt.subplots(1, 3, figsize=(16, 4.8),
                                      gridspec_kw={'width_ratios': [3, 3, 2.4]})
@@ -314,10 +331,5 @@ def plot_cold(path: str, evaluations: List[Dict], arms: List[str], curves: Dict[
     nx.set_title('Gradient norm of each loss')
     nx.grid(alpha=0.3, which='both')
     nx.legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(plt, fig, path, title, dpi=100)
     return None

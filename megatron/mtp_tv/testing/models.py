@@ -75,6 +75,7 @@ def build_gpt_with_mtp(
     params_dtype: torch.dtype = torch.float32,
     seed: int = 1234,
     position_embedding_type: str = "learned_absolute",
+    rotary_base: int = 10000,
     **config_overrides,
 ):
     """A megatron-core ``GPTModel`` with ``mtp_num_layers`` MTP depths, local (non-TE) spec.
@@ -85,7 +86,9 @@ def build_gpt_with_mtp(
     ``context_parallel_size`` come from megatron's parallel state. Any other ``TransformerConfig``
     field (``mtp_loss_type``, ``mtp_tv_chunk``, ``mtp_detach_heads``, ``calculate_per_token_loss``,
     ``mtp_loss_scaling_factor``, ...) can be passed through ``config_overrides``.
-    ``position_embedding_type`` may be ``'learned_absolute'``, ``'rope'`` or ``'none'``.
+    ``position_embedding_type`` may be ``'learned_absolute'``, ``'rope'`` (base ``rotary_base``, a
+    ``GPTModel`` argument, not a config field) or ``'none'``. ``normalization='RMSNorm'`` in
+    ``config_overrides`` also selects RMSNorm in the layer spec.
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -100,7 +103,7 @@ def build_gpt_with_mtp(
         sequence_parallel, params_dtype, config_overrides,
     )
 
-    layer_spec = get_gpt_layer_local_spec()
+    layer_spec = get_gpt_layer_local_spec(normalization=config.normalization)
     mtp_block_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
     seed_everything(seed)
     model = GPTModel(
@@ -111,6 +114,7 @@ def build_gpt_with_mtp(
         mtp_block_spec=mtp_block_spec,
         share_embeddings_and_output_weights=tie_embeddings,
         position_embedding_type=position_embedding_type,
+        rotary_base=rotary_base,
         parallel_output=True,
     )
     return model
