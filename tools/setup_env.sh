@@ -105,6 +105,11 @@ sys.exit(0 if all(importlib.util.find_spec(n) is not None for n in names) else 1
 EOF
 }
 
+# True if stamp file "$1" records "$2" (and MTP_TV_FORCE_SETUP is unset).
+stamp_current() {
+    [[ -z "${MTP_TV_FORCE_SETUP:-}" && -f "$1" && "$(cat "$1")" == "$2" ]]
+}
+
 # The optional stack's stamp: its pins and the base install it was made on.
 wanted_hf_stamp() {
     { cat "$ROOT/$HF_REQUIREMENTS"; cat "$STAMP"; } | sha256sum | cut -d' ' -f1
@@ -114,8 +119,7 @@ wanted_hf_stamp() {
 install_hf() {
     local wanted tmp
     wanted="$(wanted_hf_stamp)"
-    if [[ -z "${MTP_TV_FORCE_SETUP:-}" && -f "$HF_STAMP" && "$(cat "$HF_STAMP")" == "$wanted" ]] \
-        && hf_imports_ok; then
+    if stamp_current "$HF_STAMP" "$wanted" && hf_imports_ok; then
         say "$HF_REQUIREMENTS up to date"
         return
     fi
@@ -170,8 +174,7 @@ main() {
 install_base() {
     local wanted
     wanted="$(wanted_stamp)"
-    if [[ -z "${MTP_TV_FORCE_SETUP:-}" && -f "$STAMP" && "$(cat "$STAMP")" == "$wanted" ]] \
-        && imports_ok; then
+    if stamp_current "$STAMP" "$wanted" && imports_ok; then
         say "up to date"
         return
     fi
