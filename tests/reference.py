@@ -38,18 +38,23 @@ def shifted_mask(mask: torch.Tensor, shift: int, seq_bounds: Optional[Sequence[i
 
 def depth_terms(
     main_hidden, depth_hidden: List[torch.Tensor], weight, seq_bounds=None, logits_fn=None,
-    temperature: float = 1.0,
+    temperature: float = 1.0, main_logits=None,
 ):
     """``(alpha, kl)``, each ``[G, s, b]``: for every depth k, p from main_hidden at t+k+1
     (detached), q from depth k, both ``softmax(logits / T)`` in float64.
+
+    ``main_logits`` (``[s, b, V]``, any dtype): the main model's logits as it output them (e.g.
+    bf16); p is then their softmax, the distribution the main loss sees, and main_hidden is
+    unused.
 
     Positions whose target lies outside their sequence are compared with a uniform p (they are
     masked anyway). Shapes: main_hidden ``[s, b, h]``, depth_hidden[k] ``[s, b, h]``, weight
     ``[V, h]``. Differentiable w.r.t. depth_hidden and weight.
     """
     fn = logits_fn or (lambda z: z)
-    s, b, _ = main_hidden.shape
-    log_p_all = torch.log_softmax(fn((main_hidden @ weight.t()).double()) / temperature, dim=-1).detach()
+    main_z = main_logits if main_logits is not None else main_hidden @ weight.t()
+    s, b, _ = main_z.shape
+    log_p_all = torch.log_softmax(fn(main_z.double()) / temperature, dim=-1).detach()
     bounds = list(seq_bounds) if seq_bounds is not None else [0, s]
     seq_end = torch.empty(s, dtype=torch.long)
     for lo, hi in zip(bounds[:-1], bounds[1:]):

@@ -61,17 +61,39 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.double() - ref).norm() / ref.norm().clamp(min=1e-300))
 
 
-def package_loss_error(loss_type, draft, main, weight, mask, loss_scale, chunk=0):
+#: How the package's loss is run: ``'own'`` projects its target from the main hidden states
+#: (the fallback where no main logits exist); ``'main_logits'`` reads it from the main head's
+#: logits in the model dtype, as the output layer returns them (the training path);
+#: ``'logit_grads'`` also keeps the logit gradients for backward in the model dtype instead of
+#: the dense fp32 weight gradient (what wide models at short sequences get).
+VARIANTS = ('own', 'main_logits', 'logit_grads')
+
+
+def package_loss_error(loss_type, draft, main, weight, mask, loss_scale, chunk=0, variant='own'):
     """Relative errors (draft, weight) of ``linear_tv_loss`` in the inputs' dtype."""
     from megatron.mtp_tv.linear_tv import linear_tv_loss
 
+    if variant not in VARIANTS:
+        raise ValueError(f'variant={variant!r}; expected one of {VARIANTS}')
     d, w = draft.clone().requires_grad_(), weight.clone().requires_grad_()
     weights = mask * (SCALE / mask.sum())
     token_weights = weights[:, None] if loss_type == 'e2e_tv' else weights[None, :, None]
-    out = linear_tv_loss(d[None], main, w, token_weights, loss_type=loss_type, chunk_size=chunk)
+    kwargs = {}
+    if variant != 'own':
+        kwargs['target_logits'] = torch.matmul(main, weight.t())  # [t, 1, V] in the model dtype
+    if variant == 'logit_grads':
+        kwargs['grad_storage'] = 'logit_grads'
+    out = linear_tv_loss(d[None], main, w, token_weights, loss_type=loss_type, chunk_size=chunk,
+                         **kwargs)
     (out.loss * loss_scale).backward()
     d64, w64 = draft.double().requires_grad_(), weight.double().requires_grad_()
-    alpha, kl = depth_terms(main.double(), [d64], w64)
+    # The target is the main model's distribution as the loss receives it: from the main
+    # hidden states (exact products of the rounded inputs), or the softmax of the main logits the
+    # output layer returned in the model dtype, which are what the main loss (and a verifier
+    # running the model in that dtype) sees. TV's gradient 1[q < p] is discontinuous in p, so
+    # measuring a bf16 target against the unrounded one would charge the target's rounding to
+    # the loss: see docs/precision.md.
+    alpha, kl = depth_terms(main.double(), [d64], w64, main_logits=kwargs.get('target_logits'))
     masks = mask.double()[None, :, None]
     objective(loss_type, alpha, kl, masks, SCALE).backward()
     return (
@@ -100,8 +122,9 @@ def megatron_ce_error(draft, weight, mask, labels, loss_scale):
 
 
 def measure(dtype_name: str, tokens: int, losses, hidden: int = 128, vocab: int = 4096, seed: int = 0,
-            cold: bool = False):
-    """``{name: (draft_error, weight_error)}`` for ``'ce'`` and every loss in ``losses``."""
+            cold: bool = False, variants=('own',)):
+    """``{name: (draft_error, weight_error)}`` for ``'ce'`` and every loss in ``losses``: keyed
+    by the loss name for the ``'own'`` variant, ``'<loss>/<variant>'`` for the others."""
     from megatron.mtp_tv.testing.distributed import single_process
 
     dtype, loss_scale = DTYPES[dtype_name], LOSS_SCALES[dtype_name]
@@ -109,7 +132,11 @@ def measure(dtype_name: str, tokens: int, losses, hidden: int = 128, vocab: int 
     with single_process():
         results = {'ce': megatron_ce_error(draft, weight, mask, labels, loss_scale)}
     for loss_type in losses:
-        results[loss_type] = package_loss_error(loss_type, draft, main, weight, mask, loss_scale)
+        for variant in variants:
+            name = loss_type if variant == 'own' else f'{loss_type}/{variant}'
+            results[name] = package_loss_error(
+                loss_type, draft, main, weight, mask, loss_scale, variant=variant
+            )
     return results
 
 
@@ -121,6 +148,8 @@ def main(argv=None):
     parser.add_argument('--hidden', type=int, default=128)
     parser.add_argument('--vocab', type=int, default=4096)
     parser.add_argument('--cold', action='store_true', help="a fresh head's draft (see make_inputs)")
+    parser.add_argument('--variants', default=','.join(VARIANTS),
+                        help=f'subset of {",".join(VARIANTS)} (see VARIANTS)')
     args = parser.parse_args(argv)
     losses = args.losses.split(',')
     print(f'hidden {args.hidden}, vocab {args.vocab}{", cold head" if args.cold else ""}; relative '
@@ -129,7 +158,8 @@ def main(argv=None):
     print('|---|---|---|---|---|---|---|')
     for dtype_name in args.dtypes.split(','):
         for tokens in map(int, args.tokens.split(',')):
-            results = measure(dtype_name, tokens, losses, args.hidden, args.vocab, cold=args.cold)
+            results = measure(dtype_name, tokens, losses, args.hidden, args.vocab, cold=args.cold,
+                              variants=args.variants.split(','))
             ce_d, ce_w = results['ce']
             for name, (d, w) in results.items():
                 print(f'| {dtype_name} | {tokens} | {name} | {d:.2e} | {w:.2e} | '

@@ -67,6 +67,8 @@ from .scratch import Scratch
 from .vocab_parallel import ProcessGroup, all_reduce_sum_, group_size, vocab_range
 
 TVLossType = Literal['tv', 'e2e_tv', 'kl', 'lk', 'nla']
+GradStorage = Literal['auto', 'dense', 'logit_grads']
+_GRAD_STORAGES = ('auto', 'dense', 'logit_grads')
 
 #: Low-precision logit gradients are scaled so that their bound is this power of two: well
 #: inside fp16's range (65504) with 16x headroom for a logit function's derivative (Megatron's
@@ -126,6 +128,26 @@ def auto_chunk_tokens(num_tokens: int, depths: int, hidden: int, vocab_local: in
     return max(1, min(per_budget, per_ce))
 
 
+def choose_grad_storage(
+    rows: int, hidden: int, vocab_local: int, dtype: torch.dtype, draft_grad: bool,
+    weight_grad: bool,
+) -> str:
+    """What the fused path keeps from forward to backward: the smaller of the two.
+
+    ``'dense'`` holds the fp32 weight gradient ``[V/tp, h]`` and the fp32 hidden-state gradient
+    ``[rows, h]`` (``rows = G * s * b``); ``'logit_grads'`` holds the ``[rows, V/tp]`` logit
+    gradients in the weight's ``dtype`` (the inputs they multiply in backward are the draft
+    hidden states, which the caller's graph holds anyway). Megatron's cross-entropy path keeps
+    ``[rows, V/tp]`` fp32 softmax and allocates both gradients in backward, so either choice
+    holds no more than it does; the smaller one keeps the loss below it at every shape: dense
+    while ``rows`` is well above ``h`` (long sequences, the usual case), the logit gradients when
+    ``rows`` is not (wide models at short sequences, e.g. h 7168 at 2k tokens).
+    """
+    dense = 4 * hidden * (vocab_local * weight_grad + rows * draft_grad)
+    logit_grads = torch.finfo(dtype).bits // 8 * rows * vocab_local
+    return 'logit_grads' if logit_grads < dense else 'dense'
+
+
 def linear_tv_loss(
     draft_hidden: torch.Tensor,
     target_hidden: torch.Tensor,
@@ -141,6 +163,8 @@ def linear_tv_loss(
     temperature: float = 1.0,
     lk_eta: float = 3.0,
     metrics: bool = False,
+    target_logits: Optional[torch.Tensor] = None,
+    grad_storage: GradStorage = 'auto',
 ) -> TVLossResult:
     """A draft loss of G MTP depths against a detached target, chunked over tokens.
 
@@ -148,6 +172,7 @@ def linear_tv_loss(
         draft_hidden: ``[G, s, b, h]`` hidden states of the G MTP depths (TP-replicated).
         target_hidden: ``[s, b, h]`` main-model hidden states (after the final norm); detached
             here. Row ``t + k + 1`` (within a segment) is the target of depth k at position t.
+            May be None when ``target_logits`` is given.
         weight: ``[V/tp, h]`` output-layer weight shard.
         token_weights: loss weights, mask and normalisation included: ``[G, s, b]``, or
             ``[s, b]`` (one weight per chain) for ``'e2e_tv'``.
@@ -163,6 +188,16 @@ def linear_tv_loss(
         temperature: verification temperature T > 0: p and q are softmax(logits / T).
         lk_eta: ``eta`` of ``'lk'``.
         metrics: also compute the greedy agreement of draft and target argmax.
+        target_logits: optional ``[s, b, V/tp]`` logits of the target rows, i.e. the main head's
+            own ``target_hidden @ W^T`` (any dtype; before ``logits_fn`` and temperature, which
+            apply to them as to the draft logits); detached here. The sweep then reads the target
+            rows instead of projecting them (one matrix product per chunk fewer); only the
+            ``halo`` rows of the segments, which live on another rank, are projected here.
+        grad_storage: what the fused path keeps from forward to backward: ``'dense'`` the fp32
+            ``[V/tp, h]`` weight gradient and ``[G, s, b, h]`` hidden-state gradient, formed
+            chunk by chunk; ``'logit_grads'`` the ``[G, s, b, V/tp]`` logit gradients in the
+            weight's dtype, turned into both gradients by two products in backward; ``'auto'``
+            (default) the smaller of the two (:func:`choose_grad_storage`).
 
     Returns:
         :class:`TVLossResult`.
@@ -171,10 +206,16 @@ def linear_tv_loss(
     if draft_hidden.dim() != 4:
         raise ValueError(f"draft_hidden must be [G, s, b, h], got shape {tuple(draft_hidden.shape)}.")
     G, s, b, h = draft_hidden.shape
-    if target_hidden.shape != (s, b, h):
+    if target_logits is not None:
+        if tuple(target_logits.shape) != (s, b, weight.shape[0]):
+            raise ValueError(
+                f"target_logits shape {tuple(target_logits.shape)} does not match "
+                f"[s, b, V/tp] = {(s, b, weight.shape[0])}."
+            )
+    elif target_hidden is None or target_hidden.shape != (s, b, h):
         raise ValueError(
-            f"target_hidden shape {tuple(target_hidden.shape)} does not match draft positions "
-            f"[s, b, h] = {(s, b, h)}."
+            f"target_hidden shape {tuple(target_hidden.shape) if target_hidden is not None else None} "
+            f"does not match draft positions [s, b, h] = {(s, b, h)}."
         )
     if weight.dim() != 2 or weight.shape[1] != h:
         raise ValueError(f"weight must be [V/tp, {h}], got shape {tuple(weight.shape)}.")
@@ -190,6 +231,8 @@ def linear_tv_loss(
         raise ValueError(f"chunk_size={chunk_size!r} must be an int >= 0.")
     if not (isinstance(temperature, (int, float)) and 0 < temperature < float('inf')):
         raise ValueError(f"temperature={temperature!r} must be a finite number > 0.")
+    if grad_storage not in _GRAD_STORAGES:
+        raise ValueError(f"grad_storage={grad_storage!r}; expected one of {_GRAD_STORAGES}.")
     if segments is None:
         segments = (TargetSegment(0, s),)
     tokens = chunk_size if chunk_size > 0 else auto_chunk_tokens(s * b, G, h, weight.shape[0])
@@ -203,7 +246,11 @@ def linear_tv_loss(
         fused=fused,
         inv_temperature=1.0 / float(temperature),
         metrics=metrics,
+        grad_storage=grad_storage,
+        target_is_logits=target_logits is not None,
     )
+    if target_logits is not None:
+        target_hidden = target_logits.detach()  # the sweep's target rows are then logit rows
     target_hidden, token_weights = target_hidden.detach(), token_weights.detach().float()
     if torch.is_grad_enabled() and (draft_hidden.requires_grad or weight.requires_grad):
         loss_value, alpha, correct, per_depth, agreement = _LinearTV.apply(
@@ -229,56 +276,95 @@ class _Plan:
     fused: bool
     inv_temperature: float
     metrics: bool
+    grad_storage: str = 'auto'
+    target_is_logits: bool = False
 
 
 class _LinearTV(torch.autograd.Function):
     """Scalar draft objective; gradients computed in forward (fused) or by a second sweep."""
 
     @staticmethod
-    def forward(ctx, draft_hidden, weight, target_hidden, token_weights, plan: _Plan):
+    def forward(ctx, draft_hidden, weight, target, token_weights, plan: _Plan):
         need_draft_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        storage = plan.grad_storage
+        if plan.fused and storage == 'auto':
+            G, s, b, h = draft_hidden.shape
+            storage = choose_grad_storage(
+                G * s * b, h, weight.shape[0], weight.dtype, need_draft_grad, need_weight_grad
+            )
+        keep_logit_grads = plan.fused and storage == 'logit_grads'
         out = _sweep(
-            draft_hidden, weight, target_hidden, token_weights, plan,
+            draft_hidden, weight, target, token_weights, plan,
             draft_grad=plan.fused and need_draft_grad,
             weight_grad=plan.fused and need_weight_grad,
+            keep_logit_grads=keep_logit_grads,
         )
         ctx.plan = plan
         ctx.need = (need_draft_grad, need_weight_grad)
-        if plan.fused:
+        ctx.keep_logit_grads = keep_logit_grads
+        if keep_logit_grads:
+            # The inputs of the two products are saved by reference: no copy.
+            ctx.save_for_backward(out.grad_scale, out.logit_grads, draft_hidden, weight)
+        elif plan.fused:
             grads = (g for g in (out.grad_draft, out.grad_weight) if g is not None)
             ctx.save_for_backward(out.grad_scale, *grads)
         else:
-            ctx.save_for_backward(draft_hidden, weight, target_hidden, token_weights)
+            ctx.save_for_backward(draft_hidden, weight, target, token_weights)
         ctx.mark_non_differentiable(out.alpha, out.correct, out.per_depth, out.agreement)
         return out.loss, out.alpha, out.correct, out.per_depth, out.agreement
 
     @staticmethod
     def backward(ctx, grad_loss, *_grad_metrics):
         need_draft_grad, need_weight_grad = ctx.need
-        if ctx.plan.fused:
+        if ctx.keep_logit_grads:
+            grad_scale, logit_grads, draft_hidden, weight = ctx.saved_tensors
+            grad_draft, grad_weight = _gradients_from_logit_grads(
+                logit_grads, draft_hidden, weight, need_draft_grad, need_weight_grad
+            )
+        elif ctx.plan.fused:
             grad_scale, *saved = ctx.saved_tensors
             grad_draft = saved.pop(0) if need_draft_grad else None
             grad_weight = saved.pop(0) if need_weight_grad else None
         else:
-            draft_hidden, weight, target_hidden, token_weights = ctx.saved_tensors
+            draft_hidden, weight, target, token_weights = ctx.saved_tensors
             # Forward already returned the label hits and the argmax agreement: not again.
             plan = dataclasses.replace(ctx.plan, labels=None, metrics=False)
             out = _sweep(
-                draft_hidden, weight, target_hidden, token_weights, plan,
+                draft_hidden, weight, target, token_weights, plan,
                 draft_grad=need_draft_grad, weight_grad=need_weight_grad,
             )
             grad_draft, grad_weight, grad_scale = out.grad_draft, out.grad_weight, out.grad_scale
         # The objective is linear in its upstream gradient: one scalar (which also undoes the
         # low-precision scaling) rescales everything. In place: a new [V/tp, h] tensor would cost
-        # a full extra pass. The fused buffers therefore serve one backward; a second one
+        # a full extra pass. The dense buffers therefore serve one backward; a second one
         # (retain_graph) fails autograd's saved-tensor version check instead of returning
-        # gradients scaled twice. Autograd casts the fp32 results to the inputs' dtypes.
+        # gradients scaled twice (stored logit gradients are only read, so they serve any
+        # number). Autograd casts the fp32 results to the inputs' dtypes.
         factor = grad_loss.float() / grad_scale
         if grad_draft is not None:
             grad_draft.mul_(factor)
         if grad_weight is not None:
             grad_weight.mul_(factor)
         return grad_draft, grad_weight, None, None, None
+
+
+def _gradients_from_logit_grads(logit_grads, draft_hidden, weight, draft_grad, weight_grad):
+    """``(g @ W, g^T x)`` over all rows: the two products CE's backward also runs, fp32 results.
+
+    ``logit_grads``: ``[G, s, b, V/tp]`` in the weight's dtype; ``draft_hidden``: ``[G, s, b, h]``.
+    """
+    G, s, b, h = draft_hidden.shape
+    g = logit_grads.view(G * s * b, weight.shape[0])
+    products = _Products(weight)
+    grad_draft = grad_weight = None
+    if draft_grad:
+        grad_draft = torch.empty(G, s, b, h, dtype=torch.float32, device=g.device)
+        products.input_grad(g, grad_draft.view(G * s * b, h))
+    if weight_grad:
+        grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=g.device)
+        x = draft_hidden.reshape(G * s * b, h).to(weight.dtype)
+        products.weight_grad(grad_weight, g, x, accumulate=False)
+    return grad_draft, grad_weight
 
 
 class _SweepOutput(NamedTuple):
@@ -291,10 +377,18 @@ class _SweepOutput(NamedTuple):
     grad_weight: Optional[torch.Tensor]
     grad_scale: torch.Tensor
     """Factor the stored gradients carry (a power of two for low-precision weights, else 1)."""
+    logit_grads: Optional[torch.Tensor] = None
+    """``[G, s, b, V/tp]`` in the weight's dtype (``keep_logit_grads``), carrying grad_scale."""
 
 
-def _sweep(draft_hidden, weight, target_hidden, token_weights, plan: _Plan, draft_grad, weight_grad):
-    """One pass over all chunks: loss and per-row results, plus gradients when asked for."""
+def _sweep(draft_hidden, weight, target, token_weights, plan: _Plan, draft_grad, weight_grad,
+           keep_logit_grads=False):
+    """One pass over all chunks: loss and per-row results, plus gradients when asked for.
+
+    ``target`` is ``[s, b, h]`` hidden states, or ``[s, b, V/tp]`` logits when
+    ``plan.target_is_logits``. With ``keep_logit_grads`` the logit gradients are stored for
+    backward instead of being turned into the hidden-state and weight gradients here.
+    """
     G, s, b, h = draft_hidden.shape
     device = draft_hidden.device
     loss_fn = plan.loss
@@ -309,10 +403,15 @@ def _sweep(draft_hidden, weight, target_hidden, token_weights, plan: _Plan, draf
     # the stored gradients carry grad_scale.
     grad_scale = products.gradient_scale(token_weights, loss_fn.grad_bound * plan.inv_temperature)
     coef_scale = grad_scale * plan.inv_temperature
-    grad_draft = torch.zeros(draft_hidden.shape, dtype=torch.float32, device=device) if draft_grad else None
+    logit_grads = None
+    if keep_logit_grads:
+        logit_grads = _new_rows_buffer((G, s, b, weight.shape[0]), weight.dtype, device, plan.segments, s)
+        draft_grad = weight_grad = False  # both are formed from logit_grads in backward
+    grad_draft = _new_rows_buffer(draft_hidden.shape, torch.float32, device, plan.segments, s) if draft_grad else None
     # fp32 accumulation across chunks (the weight gradient sums every token of the batch). The
     # first product overwrites it: zero-filling [V/tp, h] first would be one more full pass.
     grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=device) if weight_grad else None
+    want_grad = want_grad or keep_logit_grads
     weight_grad_started = False
     labels = plan.labels
     vocab_start, vocab_stop = vocab_range(weight.shape[0], plan.tp_group)
@@ -328,15 +427,17 @@ def _sweep(draft_hidden, weight, target_hidden, token_weights, plan: _Plan, draf
             stop = min(start + plan.positions_per_chunk, seg.stop)
             rows = slice(start, stop)
             n = (stop - start) * b
-            # One projection per chunk: target rows t+1 .. t+chunk+G-1 (shared by every depth),
-            # then each depth's draft rows, into one [m, V/tp] fp32 buffer.
-            target_rows = _virtual_rows(target_hidden, seg, start + 1, stop + G).reshape(-1, h)
-            n_t = target_rows.shape[0]
+            # One [m, V/tp] fp32 buffer per chunk: the target rows t+1 .. t+chunk+G-1 (shared by
+            # every depth; read from the target logits or projected), then each depth's draft
+            # rows (one projection for all depths).
+            n_t = (stop - start + G - 1) * b
+            raw = scratch.take('logits', (n_t + G * n, weight.shape[0]), torch.float32, device)
             inputs = torch.cat(
-                [target_rows] + [draft_hidden[k, rows].reshape(n, h) for k in range(G)],
-                out=scratch.take('inputs', (n_t + G * n, h), weight.dtype, device),
+                [draft_hidden[k, rows].reshape(n, h) for k in range(G)],
+                out=scratch.take('inputs', (G * n, h), weight.dtype, device),
             )
-            raw = products.logits(inputs, scratch.take('logits', (inputs.shape[0], weight.shape[0]), torch.float32, device))
+            products.logits(inputs, raw[n_t:])
+            _target_rows(target, seg, start + 1, stop + G, products, plan.target_is_logits, raw[:n_t])
             # Row ops overwrite their input; with a logits function, raw stays intact for its chain rule.
             z = plan.logits_fn(raw).float() if plan.logits_fn is not None else raw
             if plan.inv_temperature != 1.0:
@@ -344,6 +445,7 @@ def _sweep(draft_hidden, weight, target_hidden, token_weights, plan: _Plan, draf
             if ops is None:
                 ops, _ = select_row_ops(z)
             draft_rows = [slice(n_t + k * n, n_t + (k + 1) * n) for k in range(G)]
+            draft_inputs = [inputs[k * n : (k + 1) * n] for k in range(G)]
             if labels is not None:
                 chunk_labels = labels[:, rows].reshape(G, n)
                 hits = [_label_logit(z[draft_rows[k]], chunk_labels[k], vocab_start, vocab_stop) for k in range(G)]
@@ -400,15 +502,34 @@ def _sweep(draft_hidden, weight, target_hidden, token_weights, plan: _Plan, draf
                     with torch.enable_grad():
                         leaf = raw[draft_rows[k]].detach().requires_grad_()
                         (g,) = torch.autograd.grad(plan.logits_fn(leaf).float(), leaf, g)
+                if logit_grads is not None:  # rounded to the weight's dtype as it is stored
+                    logit_grads[k, rows].view(n, -1).copy_(g)
+                    continue
                 g = g.to(weight.dtype)  # bf16/fp16 weights: low-precision operands, fp32 sums
                 if grad_draft is not None:
                     products.input_grad(g, grad_draft[k, rows].view(n, h))
                 if grad_weight is not None:
-                    products.weight_grad(grad_weight, g, inputs[draft_rows[k]], weight_grad_started)
+                    products.weight_grad(grad_weight, g, draft_inputs[k], weight_grad_started)
                     weight_grad_started = True
     if grad_weight is not None and not weight_grad_started:
         grad_weight.zero_()
-    return _SweepOutput(loss, alpha, correct, per_depth, agreement, grad_draft, grad_weight, grad_scale)
+    return _SweepOutput(
+        loss, alpha, correct, per_depth, agreement, grad_draft, grad_weight, grad_scale, logit_grads
+    )
+
+
+def _new_rows_buffer(shape, dtype, device, segments, s) -> torch.Tensor:
+    """A ``[G, s, ...]`` buffer every chunk writes its rows of: uninitialised when the segments
+    cover ``[0, s)`` (every row is written), else zero-filled (rows no chunk visits stay 0)."""
+    bounds = sorted((seg.start, seg.stop) for seg in segments)
+    covered = 0
+    for start, stop in bounds:
+        if start != covered:
+            break
+        covered = stop
+    if covered == s:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _scaled(coefficients, factor):
@@ -497,17 +618,33 @@ def _addmm_fp32_(acc, a, b, beta: float):
         acc.add_(product) if beta else acc.copy_(product)
 
 
-def _virtual_rows(target_hidden, seg: TargetSegment, first: int, stop: int) -> torch.Tensor:
-    """Rows ``[first, stop)`` of ``target_hidden[seg.start:seg.stop] ++ halo`` (zeros if no halo)."""
-    if stop <= seg.stop:
-        return target_hidden[first:stop]
-    body = target_hidden[first : seg.stop]
+def _target_rows(target, seg: TargetSegment, first: int, stop: int, products, is_logits, out) -> None:
+    """``out`` = the logits of rows ``[first, stop)`` of ``target[seg.start:seg.stop] ++ halo``.
+
+    Hidden-state targets are projected; logit targets are copied (``out`` is overwritten in place
+    by the row ops, the target must not be) and only their halo rows, hidden states from another
+    rank, are projected, then rounded to the target's dtype like the rows around them. Rows past
+    the sequence without a halo are zeros (their targets carry zero weight).
+    """
+    body_stop = min(stop, seg.stop)
+    n_body = max(0, body_stop - first) * target.shape[1]
+    if n_body:
+        rows = target[first:body_stop].reshape(n_body, target.shape[-1])
+        if is_logits:
+            out[:n_body].copy_(rows)
+        else:
+            products.logits(rows.to(products.weight.dtype), out[:n_body])
     extra = stop - max(first, seg.stop)
-    if seg.halo is not None:
-        tail = seg.halo[:extra].to(target_hidden.dtype)
-    else:
-        tail = target_hidden.new_zeros((extra,) + tuple(target_hidden.shape[1:]))
-    return torch.cat([body, tail]) if body.shape[0] else tail
+    if extra <= 0:
+        return
+    tail = out[n_body:]
+    if seg.halo is None:
+        tail.zero_()
+        return
+    halo = seg.halo[:extra].reshape(tail.shape[0], -1).to(products.weight.dtype)
+    products.logits(halo, tail)
+    if is_logits and target.dtype != torch.float32:
+        tail.copy_(tail.to(target.dtype))
 
 
 def _label_logit(z, labels, vocab_start, vocab_stop):
