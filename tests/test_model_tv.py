@@ -1,5 +1,7 @@
 """The TV losses through a real megatron-core GPTModel with MTP (TP=1, one process)."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -33,7 +35,31 @@ def _grads(model):
     return {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
 
 
-def _run_package(depth, loss_type, chunk, tie, zero_mask=False, factor=FACTOR, **overrides):
+@contextlib.contextmanager
+def _target(target):
+    """Run the package's loss with its target from the main logits (``'main_logits'``, where
+    GPTModel._postprocess computes them) or projected by the loss (``'own'``, the fallback), and
+    check that this is the path taken."""
+    from megatron.mtp_tv import mtp_loss
+    from megatron.mtp_tv.main_logits import MAIN_LOGITS_ENV
+
+    seen = []
+    original = mtp_loss.linear_tv_loss
+
+    def spy(*args, **kwargs):
+        seen.append('main_logits' if kwargs.get('target_logits') is not None else 'own')
+        return original(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mtp_loss, 'linear_tv_loss', spy)
+        if target == 'own':
+            mp.setenv(MAIN_LOGITS_ENV, '0')
+        yield
+    assert set(seen) <= {target}, seen
+
+
+def _run_package(depth, loss_type, chunk, tie, zero_mask=False, factor=FACTOR, target='main_logits',
+                 **overrides):
     model = build_gpt_with_mtp(
         vocab_size=VOCAB, hidden_size=HIDDEN, seq_length=SEQ, mtp_num_layers=depth,
         tie_embeddings=tie, mtp_loss_type=loss_type, mtp_tv_chunk=chunk,
@@ -47,7 +73,8 @@ def _run_package(depth, loss_type, chunk, tie, zero_mask=False, factor=FACTOR, *
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(model.config, model)
-    loss = forward_loss(model, tokens, labels, mask)
+    with _target(target):
+        loss = forward_loss(model, tokens, labels, mask)
     main = (loss * mask).sum() / mask.sum().clamp(min=1)
     main.backward()
     logged = MTPLossLoggingHelper.tracker['loss_values'].clone()
@@ -91,9 +118,10 @@ def _assert_same_grads(got, ref, atol=1e-6):
 
 @pytest.mark.parametrize('loss_type,depth', [('tv', 2), ('e2e_tv', 3)])
 @pytest.mark.parametrize('chunk', [0, 1, 7, 1000])  # one chunk, one position, non-divisor, > tokens
-def test_loss_and_every_gradient_match_reference(loss_type, depth, chunk):
+@pytest.mark.parametrize('target', ['main_logits', 'own'])
+def test_loss_and_every_gradient_match_reference(loss_type, depth, chunk, target):
     with single_process():
-        main, grads, logged = _run_package(depth, loss_type, chunk, tie=True)
+        main, grads, logged = _run_package(depth, loss_type, chunk, tie=True, target=target)
     with single_process():
         ref_main, ref_grads, ref_tv = _run_reference(depth, loss_type, tie=True)
     torch.testing.assert_close(main, ref_main)
@@ -137,9 +165,10 @@ def test_kl_lk_and_temperature_match_reference(loss_type, overrides, chunk):
         (True, {'calculate_per_token_loss': True}),
     ],
 )
-def test_output_weight_variants_match_reference(loss_type, tie, overrides):
+@pytest.mark.parametrize('target', ['main_logits', 'own'])
+def test_output_weight_variants_match_reference(loss_type, tie, overrides, target):
     with single_process():
-        _, grads, _ = _run_package(2, loss_type, 5, tie=tie, **overrides)
+        _, grads, _ = _run_package(2, loss_type, 5, tie=tie, target=target, **overrides)
     with single_process():
         _, ref_grads, _ = _run_reference(2, loss_type, tie=tie, **overrides)
     _assert_same_grads(grads, ref_grads)

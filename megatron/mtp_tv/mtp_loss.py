@@ -28,8 +28,9 @@ from .bridge import check_megatron_args
 from .config import is_cross_entropy, validate_mtp_loss_config
 from .linear_tv import linear_tv_loss
 from .losses import LOSSES
+from .main_logits import open_slot
 from .metrics import save_acceptance_to_tracker
-from .vocab_parallel import group_size
+from .vocab_parallel import group_size, vocab_range
 
 #: Set to 0 to recompute each chunk in backward instead of computing gradients during forward
 #: (slower, same numbers; for debugging).
@@ -215,33 +216,66 @@ def process_mtp_tv_loss(
         draft = draft.view(depth, main_hidden.shape[0], *draft.shape[1:])
 
     cu_seqlens = packed_seq_params.cu_seqlens_q.tolist() if packed_seq_params is not None else None
-    result = linear_tv_loss(
-        draft,
-        target,
-        weight,
-        token_weights,
-        loss_type=loss_type,
-        chunk_size=config.mtp_tv_chunk,
-        tp_group=tp_group,
-        logits_fn=scale_logits_fn,
-        segments=target_segments(target, depth, cp_group, cu_seqlens, cp_layout),
-        labels=torch.stack(depth_labels).transpose(1, 2) if is_training else None,
-        fused=os.environ.get(FUSED_ENV, '1') != '0',
-        temperature=getattr(config, 'mtp_tv_temperature', 1.0),
-        lk_eta=getattr(config, 'mtp_lk_eta', 3.0),
-        metrics=is_training,
-    )
+    segments = target_segments(target, depth, cp_group, cu_seqlens, cp_layout)
+    fused = os.environ.get(FUSED_ENV, '1') != '0'
+    stacked_labels = torch.stack(depth_labels).transpose(1, 2) if is_training else None
 
-    if is_training:
-        save_acceptance_to_tracker(
-            alpha=result.alpha,
-            masks=masks.transpose(1, 2),
-            greedy_correct=result.greedy_correct,
-            greedy_agreement=result.greedy_agreement,
-            per_depth_loss=result.per_depth,
-            avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
-            log_loss=not metrics_only,
+    def sweep(main_logits: Optional[Tensor] = None) -> Tensor:
+        """The loss (and the tracker's metrics), from the main logits or projecting the target."""
+        if main_logits is not None:
+            main_logits = _local_vocab_shard(main_logits, weight.shape[0], tp_group)
+        result = linear_tv_loss(
+            draft,
+            target if main_logits is None else None,
+            weight,
+            token_weights,
+            loss_type=loss_type,
+            chunk_size=config.mtp_tv_chunk,
+            tp_group=tp_group,
+            logits_fn=scale_logits_fn,
+            segments=segments,
+            labels=stacked_labels,
+            fused=fused,
+            temperature=getattr(config, 'mtp_tv_temperature', 1.0),
+            lk_eta=getattr(config, 'mtp_lk_eta', 3.0),
+            metrics=is_training,
+            target_logits=main_logits,
         )
+        if is_training:
+            save_acceptance_to_tracker(
+                alpha=result.alpha,
+                masks=masks.transpose(1, 2),
+                greedy_correct=result.greedy_correct,
+                greedy_agreement=result.greedy_agreement,
+                per_depth_loss=result.per_depth,
+                avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+                log_loss=not metrics_only,
+            )
+        return result.loss
+
+    # Where GPTModel._postprocess projects the main head next (megatron.mtp_tv.main_logits),
+    # the sweep runs on those logits: the target is not projected twice. Not for the metrics
+    # pass (it runs under no_grad here, the main projection with gradients), nor in recompute
+    # mode (the logits would be kept for backward, and Megatron's CE overwrites them in place).
+    slot = open_slot(output_layer) if fused and not metrics_only else None
+    if slot is not None:
+        slot.defer(main_hidden, sweep)
+        return main_hidden
+    loss = sweep()
     if metrics_only:
         return main_hidden
-    return _mtp.MTPLossAutoScaler.apply(main_hidden, result.loss)
+    return _mtp.MTPLossAutoScaler.apply(main_hidden, loss)
+
+
+def _local_vocab_shard(main_logits: Tensor, vocab_local: int, tp_group) -> Tensor:
+    """``[s, b, V/tp]`` of this rank from the main logits (gathered over TP when the output layer
+    gathers its output, e.g. ``runtime_gather_output``)."""
+    if main_logits.shape[-1] == vocab_local:
+        return main_logits
+    start, stop = vocab_range(vocab_local, tp_group)
+    if main_logits.shape[-1] != vocab_local * group_size(tp_group):
+        raise ValueError(
+            f"main logits with {main_logits.shape[-1]} vocabulary entries are neither this rank's "
+            f"shard ({vocab_local}) nor the gathered vocabulary ({vocab_local * group_size(tp_group)})."
+        )
+    return main_logits[..., start:stop]

@@ -9,7 +9,9 @@
 2. replaces ``process_mtp_loss`` in the modules that call it (``multi_token_prediction``,
    ``gpt_model``, ``hybrid_model`` import it by name) with a dispatcher that keeps Megatron's
    function for ``'ce'``;
-3. makes ``MTPLossLoggingHelper.track_mtp_metrics`` log the acceptance metrics as well.
+3. makes ``MTPLossLoggingHelper.track_mtp_metrics`` log the acceptance metrics as well;
+4. decorates ``GPTModel._postprocess`` with :func:`~megatron.mtp_tv.main_logits.reuse_main_logits`,
+   so that the TV losses take their target from the main logits it computes anyway.
 
 Patch mode (``patches/``) makes the same changes in the source of a Megatron tree instead.
 """
@@ -146,6 +148,7 @@ def install() -> None:
         add_config_fields(TransformerConfig)
         _install_loss()
         _install_metrics_logging()
+        _install_main_logits()
         _installed = True
 
 
@@ -321,3 +324,13 @@ def _install_metrics_logging() -> None:
         return original(loss_scale, iteration, writer, wandb_writer, total_loss_dict)
 
     MTPLossLoggingHelper.track_mtp_metrics = staticmethod(track_mtp_metrics)
+
+
+def _install_main_logits() -> None:
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from .main_logits import reuse_main_logits
+
+    # The class attribute, so that models built before install() get it too; the patches write
+    # the same decorator into gpt_model.py.
+    GPTModel._postprocess = reuse_main_logits(GPTModel._postprocess)

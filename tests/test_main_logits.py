@@ -1,0 +1,168 @@
+"""The TV losses' target from the main head's logits (megatron.mtp_tv.main_logits) through a real
+megatron-core GPTModel: used where the main logits follow, Megatron's main loss untouched, and the
+own projection wherever they do not."""
+
+import contextlib
+
+import pytest
+import torch
+
+import megatron.mtp_tv
+from megatron.mtp_tv import mtp_loss as mtp_loss_module
+from megatron.mtp_tv.main_logits import MAIN_LOGITS_ENV, reuse_main_logits
+from megatron.mtp_tv.testing.distributed import single_process
+from megatron.mtp_tv.testing.models import build_gpt_with_mtp, forward_loss
+
+megatron.mtp_tv.install()
+
+VOCAB, HIDDEN, SEQ, BATCH = 64, 32, 12, 2
+
+
+@pytest.fixture(autouse=True)
+def _process_group():
+    with single_process():
+        yield
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    mask = (torch.rand(BATCH, SEQ, generator=g) > 0.25).float()
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask
+
+
+@contextlib.contextmanager
+def _targets_seen():
+    """Record, for every linear_tv_loss call of the MTP loss, whether its target was logits."""
+    seen = []
+    original = mtp_loss_module.linear_tv_loss
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get('target_logits') is not None)
+        return original(*args, **kwargs)
+
+    mtp_loss_module.linear_tv_loss = spy
+    try:
+        yield seen
+    finally:
+        mtp_loss_module.linear_tv_loss = original
+
+
+def _model(loss_type='tv', depth=2, **overrides):
+    return build_gpt_with_mtp(
+        vocab_size=VOCAB, hidden_size=HIDDEN, seq_length=SEQ, mtp_num_layers=depth,
+        mtp_loss_type=loss_type, mtp_tv_chunk=5, **overrides,
+    )
+
+
+def _step(model, monkeypatch=None, own=False):
+    tokens, labels, mask = _batch()
+    with contextlib.ExitStack() as stack:
+        if own:
+            stack.enter_context(pytest.MonkeyPatch.context()).setenv(MAIN_LOGITS_ENV, '0')
+        seen = stack.enter_context(_targets_seen())
+        loss = forward_loss(model, tokens, labels, mask)
+        (loss * mask).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads, seen
+
+
+@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv', 'kl', 'lk', 'nla'])
+@pytest.mark.parametrize('tie', [True, False])
+def test_main_logits_target_equals_the_own_projection_and_keeps_megatrons_main_loss(loss_type, tie):
+    model = _model(loss_type, tie_embeddings=tie)
+    loss, grads, seen = _step(model)
+    assert seen == [True]  # the target came from the main logits
+    own_loss, own_grads, own_seen = _step(model, own=True)
+    assert own_seen == [False]
+    assert torch.equal(loss, own_loss)  # Megatron's main loss, bit for bit
+    for name, g in grads.items():
+        torch.testing.assert_close(g, own_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    # ... and that is the main loss of Megatron's own 'ce' model with the same weights.
+    model.config.mtp_loss_type = 'ce'
+    ce_loss, _, _ = _step(model)
+    assert torch.equal(loss, ce_loss)
+
+
+def test_without_labels_the_returned_logits_are_megatrons_and_carry_the_mtp_gradient():
+    # RL stacks (miles): no labels; the MTP labels come from input_ids, the logits are returned.
+    model = _model('tv', depth=1)
+    tokens, _, _ = _batch()
+    with _targets_seen() as seen:
+        logits = forward_loss(model, tokens, None)
+    assert seen == [True]
+    logits.float().logsumexp(-1).sum().backward()
+    mtp_grads = [p.grad for n, p in model.named_parameters() if n.startswith('mtp.')]
+    assert all(g is not None and g.abs().sum() > 0 for g in mtp_grads)
+    model.zero_grad(set_to_none=True)
+    model.config.mtp_loss_type = 'ce'
+    with torch.no_grad():
+        ce_logits = forward_loss(model, tokens, None)
+    assert torch.equal(logits.detach(), ce_logits)
+
+
+def test_output_processor_falls_back_to_the_own_projection():
+    model = _model('tv', depth=1)
+    tokens, labels, mask = _batch()
+
+    def output_processor(hidden_states, output_layer, output_weight, labels, **_):
+        logits, _ = output_layer(hidden_states, weight=output_weight)
+        return logits.float().logsumexp(-1).sum()
+
+    with _targets_seen() as seen:
+        out = model(
+            input_ids=tokens, position_ids=torch.arange(SEQ).expand(BATCH, SEQ),
+            attention_mask=None, labels=labels, loss_mask=mask, output_processor=output_processor,
+        )
+    assert seen == [False]
+    out.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if n.startswith('mtp.'))
+
+
+def test_fused_linear_cross_entropy_and_the_switch_fall_back(monkeypatch):
+    model = _model('tv', depth=1)
+    model.fuse_linear_cross_entropy = True  # Megatron dev: no main logits are materialised
+    _, _, seen = _step(model)
+    assert seen == [False]
+    del model.fuse_linear_cross_entropy
+    monkeypatch.setenv(mtp_loss_module.FUSED_ENV, '0')  # recompute mode keeps its target
+    _, _, seen = _step(model)
+    assert seen == [False]
+
+
+def test_eval_uses_the_main_logits_without_gradients():
+    model = _model('tv', depth=2).eval()
+    tokens, labels, mask = _batch()
+    with torch.no_grad(), _targets_seen() as seen:
+        loss = forward_loss(model, tokens, labels, mask)
+    assert seen == [True] and torch.isfinite(loss).all()
+
+
+def test_a_deferred_loss_nobody_picks_up_is_an_error():
+    # A _postprocess that runs the MTP loss and then never projects the main head.
+    model = _model('tv', depth=1)
+    from megatron.core.models.gpt import gpt_model
+
+    @reuse_main_logits
+    def postprocess(self, hidden_states, labels, loss_mask):
+        return gpt_model.process_mtp_loss(
+            hidden_states=hidden_states, labels=labels, loss_mask=loss_mask,
+            output_layer=self.output_layer, output_weight=self.shared_embedding_or_output_weight(),
+            runtime_gather_output=None, is_training=True,
+            compute_language_model_loss=self.compute_language_model_loss, config=self.config,
+            tp_group=self.tp_group,
+        )
+
+    _, labels, mask = _batch()
+    hidden = torch.randn(2 * SEQ, BATCH, HIDDEN, requires_grad=True)
+    with pytest.raises(RuntimeError, match='never projected the main hidden states'):
+        postprocess(model, hidden, labels, mask)
+
+
+def test_the_decorator_is_applied_once():
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    once = GPTModel._postprocess
+    assert reuse_main_logits(once) is once
+    assert getattr(once, '__mtp_tv_reuse_main_logits__', False)
