@@ -93,6 +93,17 @@ class Editor:
 
 
 
+def _after_transformer_imports(tree: ast.Module, path: str) -> int:
+    """0-based line index just after the last top-level ``from megatron.core.transformer.* import``."""
+    imports = [
+        n for n in tree.body
+        if isinstance(n, ast.ImportFrom) and (n.module or '').startswith('megatron.core.transformer.')
+    ]
+    if not imports:
+        raise PatchError(f'{path}: no megatron.core.transformer imports to anchor on')
+    return imports[-1].end_lineno
+
+
 def edit_config(text: str) -> str:
     tree = ast.parse(text)
     ed = Editor(text)
@@ -102,13 +113,7 @@ def edit_config(text: str) -> str:
         for n in tree.body
     ):
         raise PatchError(f'{CONFIG_FILE} does not import typing.Literal')
-    imports = [
-        n for n in tree.body
-        if isinstance(n, ast.ImportFrom) and (n.module or '').startswith('megatron.core.transformer.')
-    ]
-    if not imports:
-        raise PatchError(f'{CONFIG_FILE}: no megatron.core.transformer imports to anchor on')
-    ed.insert(imports[-1].end_lineno, snippet_config_import())
+    ed.insert(_after_transformer_imports(tree, CONFIG_FILE), snippet_config_import())
 
     cls = _find_class(tree, 'TransformerConfig')
     body = cls.body
