@@ -197,6 +197,69 @@ def test_patched_dispatch_keeps_every_cross_entropy_name_on_megatrons_code():
         assert f'mtp_loss_type not in {CROSS_ENTROPY_NAMES!r}' in added, name
 
 
+MAIN_LOGITS_IMPORT = f'from {layout.TARGET_MODULE}.main_logits import reuse_main_logits'
+
+
+def _section(text, path):
+    """The lines of ``path``'s diff in a patch (hunk headers included)."""
+    return text.split(f'diff --git a/{path} b/{path}\n', 1)[1].split('\ndiff --git ', 1)[0].split('\n')
+
+
+@pytest.mark.parametrize('name', sorted(targets.TARGETS))
+def test_every_patch_decorates_postprocess_with_reuse_main_logits(name):
+    """Every tree's GPTModel._postprocess gets @reuse_main_logits (the TV losses' target from the
+    main head's logits), the decorator line right above its ``def`` and the import right after a
+    megatron.core.transformer import."""
+    lines = _section(targets.TARGETS[name].patch_path.read_text(), layout.GPT_FILE)
+    i = lines.index('+' + MAIN_LOGITS_IMPORT)
+    assert lines[i - 1].startswith(' from megatron.core.transformer.'), lines[i - 1]
+    j = lines.index('+    @reuse_main_logits')
+    assert lines[j + 1] == ' ' + '    def _postprocess(', lines[j + 1]
+    assert lines[j - 1].startswith('+    # mtp_tv: ') and 'main_logits.py' in lines[j - 1]
+    assert i < j and sum(l.startswith('+') and 'reuse_main_logits' in l for l in lines) == 2
+
+
+def _pristine(target):
+    return sources.files_0192() if target.commit is None else _fork_files(target)
+
+
+@pytest.mark.parametrize('name', sorted(targets.TARGETS))
+def test_patched_gpt_model_imports_and_applies_reuse_main_logits(name):
+    """In the patched file the decorator is the outermost one of GPTModel._postprocess and is
+    imported at module level after the tree's last megatron.core.transformer import."""
+    import ast
+
+    target = targets.TARGETS[name]
+    if target.commit and not FORK:
+        pytest.skip('set MTP_TV_MEGATRON_LM to clones holding the fork commits')
+    tree = ast.parse(edits.patched_files(_pristine(target))[layout.GPT_FILE])
+    post = next(n for n in next(n for n in tree.body if getattr(n, 'name', '') == 'GPTModel').body
+                if getattr(n, 'name', '') == '_postprocess')
+    assert ast.unparse(post.decorator_list[0]) == 'reuse_main_logits'
+    imports = [n for n in tree.body if isinstance(n, ast.ImportFrom)
+               and (n.module or '').startswith('megatron.core.transformer.')]
+    assert ast.unparse(imports[-1]) == MAIN_LOGITS_IMPORT
+
+
+def test_reuse_main_logits_goes_above_the_decorators_postprocess_has():
+    text = sources.files_0192()[layout.GPT_FILE]
+    assert text.count('    def _postprocess(') == 1
+    text = text.replace('    def _postprocess(', '    @torch.no_grad()\n    def _postprocess(')
+    out = edits.edit_gpt(text).result()
+    assert (
+        "main head's logits (mtp_tv/main_logits.py).\n    @reuse_main_logits\n"
+        '    @torch.no_grad()\n    def _postprocess(' in out
+    ), out
+
+
+def test_a_gpt_model_without_postprocess_or_already_patched_is_refused():
+    text = sources.files_0192()[layout.GPT_FILE]
+    with pytest.raises(layout.PatchError, match='GPTModel has no _postprocess'):
+        edits.edit_gpt(text.replace('    def _postprocess(', '    def _post_process('))
+    with pytest.raises(layout.PatchError, match='already patched'):
+        edits.edit_gpt(edits.edit_gpt(text).result())
+
+
 def test_recorded_facts_the_package_does_not_know_make_the_patch_stale():
     target = targets.TARGETS['nvidia-dev-d48bd6be0']
     facts = dataclasses.replace(
@@ -295,4 +358,14 @@ def test_tree_mode_refuses_a_fact_it_does_not_know(tmp_path, capsys, path, old, 
     assert cli.main(['--tree', str(tree), '-o', str(out)]) == 2
     err = capsys.readouterr().err
     assert expected in err and 'no patch written' in err, err
+    assert not out.exists()
+
+
+@needs_git
+def test_tree_mode_refuses_a_gpt_model_without_postprocess(tmp_path, capsys):
+    files = _changed_0192(layout.GPT_FILE, '    def _postprocess(', '    def _post_process(')
+    tree = _write_tree(tmp_path / 'tree', files)
+    out = tmp_path / 'x.patch'
+    assert cli.main(['--tree', str(tree), '-o', str(out)]) == 2
+    assert 'GPTModel has no _postprocess' in capsys.readouterr().err
     assert not out.exists()

@@ -12,7 +12,8 @@ see tests/patch_mode.py; only the CPU test support comes from this checkout):
 1. ``TransformerConfig`` has every field of the tree's ``MTPLossConfig`` natively and validates
    them, and the tree's
    ``pyproject.toml`` package list includes ``megatron.core.transformer.mtp_tv`` (so a pip install
-   of the patched tree carries it);
+   of the patched tree carries it); ``GPTModel._postprocess`` carries the tree's
+   ``@reuse_main_logits`` outermost (the TV losses' target from the main head's logits);
 2. the tree's own ``parse_args``, driven as miles drives it (``extra_args_provider`` resetting
    MTP defaults with miles' ``reset_arg``), knows ``--mtp-loss-type``/``--mtp-tv-chunk`` and
    ``core_transformer_config_from_args`` carries them into the config (skipped with the reason
@@ -111,6 +112,7 @@ def _child(tree: Path) -> dict:
 
     results['no_te_shims'] = _no_te_shims() or 'none needed'
     results['packaging'] = _check_packaging(tree)
+    results['main_logits'] = _check_main_logits()
     results['cli'] = _check_cli()
     results['model'] = _check_model()
     return results
@@ -130,6 +132,24 @@ def _check_packaging(tree: Path) -> str:
     packages = finder(where=str(tree), include=find.get('include', ['*']), exclude=find.get('exclude', ()))
     assert 'megatron.core.transformer.mtp_tv' in packages, 'pip install of the tree would drop mtp_tv'
     return 'ok: pyproject.toml packages include megatron.core.transformer.mtp_tv'
+
+
+def _check_main_logits() -> str:
+    """GPTModel._postprocess is decorated with the tree's reuse_main_logits, outermost."""
+    import ast
+
+    from megatron.core.models.gpt import gpt_model
+    from megatron.core.transformer.mtp_tv import main_logits
+
+    assert getattr(gpt_model, 'reuse_main_logits', None) is main_logits.reuse_main_logits, (
+        'gpt_model.py does not import the tree\'s reuse_main_logits'
+    )
+    source = ast.parse(Path(gpt_model.__file__).read_text())
+    cls = next(n for n in source.body if isinstance(n, ast.ClassDef) and n.name == 'GPTModel')
+    post = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == '_postprocess')
+    decorators = [ast.unparse(d) for d in post.decorator_list]
+    assert decorators[:1] == ['reuse_main_logits'], decorators
+    return 'ok: GPTModel._postprocess decorated with mtp_tv.main_logits.reuse_main_logits'
 
 
 def _check_cli():

@@ -21,8 +21,11 @@ time, written into the source so the feature is native there):
   type but ``'ce'`` (alias ``'cross_entropy'``, upstream's name) to ``process_mtp_tv_loss`` and
   keeps its own code for those;
   ``MTPLossLoggingHelper.track_mtp_metrics`` logs the acceptance metrics first;
-* ``gpt_model.py`` of trees whose MTP loss is inline in ``GPTModel._postprocess`` (radixark
-  ``miles-main``): the same dispatch there, fed exactly what the inline ``'ce'`` code uses.
+* ``gpt_model.py``: ``GPTModel._postprocess`` decorated with ``@reuse_main_logits`` (imported
+  from ``mtp_tv.main_logits`` after the tree's last ``megatron.core.transformer`` import), which
+  makes the TV losses take their target from the main head's logits; in trees whose MTP loss is
+  inline in ``_postprocess`` (radixark ``miles-main``) also the same dispatch as above there, fed
+  exactly what the inline ``'ce'`` code uses.
 
 Pristine sources, always pinned: megatron-core 0.19.2 by the sha256 of the files the patch
 touches (read from the installed distribution when it is that release, else from the registry

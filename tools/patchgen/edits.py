@@ -12,8 +12,9 @@ from .facts import _find_class, _find_function, _inline_if
 from .layout import CONFIG_FILE, GPT_FILE, INLINE_CONDITION, MTP_FILE, TARGET_PACKAGE, PatchError
 from .package import field_names, shipped_modules
 from .snippets import (
-    snippet_config_import, snippet_fields, snippet_inline_gpt, snippet_process_mtp_loss,
-    snippet_track_metrics, snippet_validate,
+    MAIN_LOGITS_DECORATOR, MAIN_LOGITS_MODULE, snippet_config_import, snippet_fields,
+    snippet_gpt_import, snippet_inline_gpt, snippet_postprocess_decorator,
+    snippet_process_mtp_loss, snippet_track_metrics, snippet_validate,
 )
 
 
@@ -93,6 +94,17 @@ class Editor:
 
 
 
+def _after_transformer_imports(tree: ast.Module, path: str) -> int:
+    """0-based line index just after the last top-level ``from megatron.core.transformer.* import``."""
+    imports = [
+        n for n in tree.body
+        if isinstance(n, ast.ImportFrom) and (n.module or '').startswith('megatron.core.transformer.')
+    ]
+    if not imports:
+        raise PatchError(f'{path}: no megatron.core.transformer imports to anchor on')
+    return imports[-1].end_lineno
+
+
 def edit_config(text: str) -> str:
     tree = ast.parse(text)
     ed = Editor(text)
@@ -102,13 +114,7 @@ def edit_config(text: str) -> str:
         for n in tree.body
     ):
         raise PatchError(f'{CONFIG_FILE} does not import typing.Literal')
-    imports = [
-        n for n in tree.body
-        if isinstance(n, ast.ImportFrom) and (n.module or '').startswith('megatron.core.transformer.')
-    ]
-    if not imports:
-        raise PatchError(f'{CONFIG_FILE}: no megatron.core.transformer imports to anchor on')
-    ed.insert(imports[-1].end_lineno, snippet_config_import())
+    ed.insert(_after_transformer_imports(tree, CONFIG_FILE), snippet_config_import())
 
     cls = _find_class(tree, 'TransformerConfig')
     body = cls.body
@@ -167,8 +173,28 @@ def edit_mtp(text: str) -> str:
 
 
 def edit_gpt(text: str) -> str:
-    node = _inline_if(text)
+    """The import and the decorator of ``GPTModel._postprocess`` (every tree), and the dispatch
+    before the inline MTP loss branch inside it (radixark miles-main)."""
+    tree = ast.parse(text)
     ed = Editor(text)
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module == MAIN_LOGITS_MODULE:
+            raise PatchError(f'{GPT_FILE}:{node.lineno} already imports {MAIN_LOGITS_MODULE}: '
+                             'already patched?')
+    ed.insert(_after_transformer_imports(tree, GPT_FILE), snippet_gpt_import())
+
+    post = _find_function(_find_class(tree, 'GPTModel').body, '_postprocess')
+    if post is None:
+        raise PatchError(f'{GPT_FILE}: GPTModel has no _postprocess (for @{MAIN_LOGITS_DECORATOR})')
+    def_line = ed.lines[post.lineno - 1]
+    if not def_line.startswith('    def _postprocess('):
+        raise PatchError(f'{GPT_FILE}:{post.lineno}: GPTModel._postprocess not defined as '
+                         f'expected: {def_line!r}')
+    # above its decorators, if it has any: outermost, it wraps _postprocess as they leave it
+    first = min([d.lineno for d in post.decorator_list] + [post.lineno])
+    ed.insert(first - 1, snippet_postprocess_decorator())
+
+    node = _inline_if(text)
     if node is None:
         return ed
     line = ed.lines[node.lineno - 1]
