@@ -166,3 +166,29 @@ def test_the_decorator_is_applied_once():
     once = GPTModel._postprocess
     assert reuse_main_logits(once) is once
     assert getattr(once, '__mtp_tv_reuse_main_logits__', False)
+
+
+def test_main_logits_given_to_process_mtp_tv_loss_replace_the_projection():
+    from megatron.mtp_tv.mtp_loss import process_mtp_tv_loss
+
+    model = _model('tv', depth=2)
+    _, labels, mask = _batch()
+    hidden = torch.randn(3 * SEQ, BATCH, HIDDEN, requires_grad=True)
+    weight = model.shared_embedding_or_output_weight()
+    kwargs = dict(
+        labels=labels, loss_mask=mask, output_layer=model.output_layer, output_weight=weight,
+        runtime_gather_output=None, is_training=True,
+        compute_language_model_loss=model.compute_language_model_loss, config=model.config,
+        tp_group=model.tp_group,
+    )
+    grads = []
+    for main_logits in (None, hidden[:SEQ].detach() @ weight.detach().t()):
+        with _targets_seen() as seen:
+            out = process_mtp_tv_loss(hidden_states=hidden, main_logits=main_logits, **kwargs)
+        assert seen == [main_logits is not None]
+        out.sum().backward()
+        grads.append(hidden.grad.clone())
+        hidden.grad = None
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-8)
+    with pytest.raises(ValueError, match='main logits with 63 vocabulary entries'):
+        process_mtp_tv_loss(hidden_states=hidden, main_logits=torch.zeros(SEQ, BATCH, VOCAB - 1), **kwargs)

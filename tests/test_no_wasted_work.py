@@ -104,5 +104,25 @@ def test_tv_evaluation_forms_no_gradients():
         evaluation = _model_step('tv', False, train=False)
     with single_process():
         ce_evaluation = _model_step('ce', False, train=False)
-    # CE projects each of the 2 depths once; TV projects target + drafts once per chunk (2).
+    # CE projects each of the 2 depths once; TV reads its target from the main logits and
+    # projects the drafts once per chunk (2).
     assert evaluation == ce_evaluation
+
+
+@pytest.mark.parametrize('storage', ['dense', 'logit_grads'])
+def test_target_logits_project_only_the_drafts(storage):
+    G, chunk_positions = 2, 3
+    draft, target, weight, masks = _inputs(G)
+    chunks = 12 // chunk_positions
+    kwargs = dict(chunk_size=chunk_positions * 2, target_logits=target @ weight.detach().t(),
+                  grad_storage=storage)
+    with torch.no_grad(), counting() as evaluation:
+        linear_tv_loss(draft, None, weight, token_weights('tv', masks), **kwargs)
+    assert evaluation.count == chunks  # the draft rows of every depth in one product per chunk
+    with counting() as training:
+        out = linear_tv_loss(draft, None, weight, token_weights('tv', masks), **kwargs)
+        out.loss.backward()
+    # dense: G x (input grad + weight grad) per chunk in forward; logit_grads: both over all
+    # rows at once in backward.
+    gradients = chunks * 2 * G if storage == 'dense' else 2
+    assert training.count == chunks + gradients

@@ -428,16 +428,23 @@ def _sweep(draft_hidden, weight, target, token_weights, plan: _Plan, draft_grad,
             rows = slice(start, stop)
             n = (stop - start) * b
             # One [m, V/tp] fp32 buffer per chunk: the target rows t+1 .. t+chunk+G-1 (shared by
-            # every depth; read from the target logits or projected), then each depth's draft
-            # rows (one projection for all depths).
+            # every depth), then each depth's draft rows. One projection for all of them, or,
+            # when the target rows are given as logits, for the draft rows alone.
             n_t = (stop - start + G - 1) * b
             raw = scratch.take('logits', (n_t + G * n, weight.shape[0]), torch.float32, device)
-            inputs = torch.cat(
-                [draft_hidden[k, rows].reshape(n, h) for k in range(G)],
-                out=scratch.take('inputs', (G * n, h), weight.dtype, device),
-            )
-            products.logits(inputs, raw[n_t:])
-            _target_rows(target, seg, start + 1, stop + G, products, plan.target_is_logits, raw[:n_t])
+            drafts = [draft_hidden[k, rows].reshape(n, h) for k in range(G)]
+            if plan.target_is_logits:
+                inputs = torch.cat(drafts, out=scratch.take('inputs', (G * n, h), weight.dtype, device))
+                products.logits(inputs, raw[n_t:])
+                _target_logit_rows(target, seg, start + 1, stop + G, products, raw[:n_t])
+            else:
+                target_rows = _virtual_rows(target, seg, start + 1, stop + G).reshape(n_t, h)
+                all_rows = torch.cat(
+                    [target_rows] + drafts,
+                    out=scratch.take('inputs', (n_t + G * n, h), weight.dtype, device),
+                )
+                products.logits(all_rows, raw)
+                inputs = all_rows[n_t:]  # the draft rows, for the weight gradient
             # Row ops overwrite their input; with a logits function, raw stays intact for its chain rule.
             z = plan.logits_fn(raw).float() if plan.logits_fn is not None else raw
             if plan.inv_temperature != 1.0:
@@ -618,22 +625,29 @@ def _addmm_fp32_(acc, a, b, beta: float):
         acc.add_(product) if beta else acc.copy_(product)
 
 
-def _target_rows(target, seg: TargetSegment, first: int, stop: int, products, is_logits, out) -> None:
-    """``out`` = the logits of rows ``[first, stop)`` of ``target[seg.start:seg.stop] ++ halo``.
+def _virtual_rows(target_hidden, seg: TargetSegment, first: int, stop: int) -> torch.Tensor:
+    """Rows ``[first, stop)`` of ``target_hidden[seg.start:seg.stop] ++ halo`` (zeros if no halo)."""
+    if stop <= seg.stop:
+        return target_hidden[first:stop]
+    body = target_hidden[first : seg.stop]
+    extra = stop - max(first, seg.stop)
+    if seg.halo is not None:
+        tail = seg.halo[:extra].to(target_hidden.dtype)
+    else:
+        tail = target_hidden.new_zeros((extra,) + tuple(target_hidden.shape[1:]))
+    return torch.cat([body, tail]) if body.shape[0] else tail
 
-    Hidden-state targets are projected; logit targets are copied (``out`` is overwritten in place
-    by the row ops, the target must not be) and only their halo rows, hidden states from another
-    rank, are projected, then rounded to the target's dtype like the rows around them. Rows past
-    the sequence without a halo are zeros (their targets carry zero weight).
-    """
+
+def _target_logit_rows(target_logits, seg: TargetSegment, first: int, stop: int, products, out) -> None:
+    """``out`` = the logits of rows ``[first, stop)`` of :func:`_virtual_rows`, read from the
+    target's logits: copied (the row ops overwrite ``out`` in place, the main logits must stay
+    intact); only the halo rows, hidden states from another rank, are projected, then rounded to
+    the logits' dtype like the rows around them. Rows past the sequence without a halo are zeros
+    (their targets carry zero weight)."""
     body_stop = min(stop, seg.stop)
-    n_body = max(0, body_stop - first) * target.shape[1]
+    n_body = max(0, body_stop - first) * target_logits.shape[1]
     if n_body:
-        rows = target[first:body_stop].reshape(n_body, target.shape[-1])
-        if is_logits:
-            out[:n_body].copy_(rows)
-        else:
-            products.logits(rows.to(products.weight.dtype), out[:n_body])
+        out[:n_body].copy_(target_logits[first:body_stop].reshape(n_body, target_logits.shape[-1]))
     extra = stop - max(first, seg.stop)
     if extra <= 0:
         return
@@ -643,8 +657,8 @@ def _target_rows(target, seg: TargetSegment, first: int, stop: int, products, is
         return
     halo = seg.halo[:extra].reshape(tail.shape[0], -1).to(products.weight.dtype)
     products.logits(halo, tail)
-    if is_logits and target.dtype != torch.float32:
-        tail.copy_(tail.to(target.dtype))
+    if target_logits.dtype != torch.float32:
+        tail.copy_(tail.to(target_logits.dtype))
 
 
 def _label_logit(z, labels, vocab_start, vocab_stop):

@@ -33,7 +33,7 @@ from .metrics import save_acceptance_to_tracker
 from .vocab_parallel import group_size, vocab_range
 
 #: Set to 0 to recompute each chunk in backward instead of computing gradients during forward
-#: (slower, same numbers; for debugging).
+#: (slower, the same numbers up to rounding; for debugging).
 FUSED_ENV = 'MEGATRON_MTP_TV_FUSED'
 
 
@@ -124,12 +124,18 @@ def process_mtp_tv_loss(
     input_ids: Optional[Tensor] = None,
     sequence_roll_context=None,
     metrics_only: bool = False,
+    main_logits: Optional[Tensor] = None,
 ) -> Tensor:
     """The ``'tv'`` / ``'e2e_tv'`` / ``'kl'`` / ``'lk'`` / ``'nla'`` MTP loss (see
     :mod:`megatron.mtp_tv.linear_tv`).
 
     ``metrics_only`` computes and logs the acceptance metrics without attaching a loss (used for
-    ``mtp_log_acceptance`` with the CE loss, under ``torch.no_grad``). ``sequence_roll_context``
+    ``mtp_log_acceptance`` with the CE loss, under ``torch.no_grad``). ``main_logits``
+    (``[s, b, V/tp]``, or the gathered vocabulary) are the main head's logits of the main hidden
+    states, if the caller has them: the target is then read from them instead of projected.
+    Inside a ``GPTModel._postprocess`` decorated with
+    :func:`~megatron.mtp_tv.main_logits.reuse_main_logits` (plugin and patches) the loss takes
+    them from the main projection that follows, without this argument. ``sequence_roll_context``
     (NVIDIA dev, contiguous packed context parallelism) goes to every ``roll_tensor`` call as dev's
     own loss passes it; the targets of that layout are aligned by
     :func:`~megatron.mtp_tv.alignment.contiguous_target_segments`.
@@ -257,6 +263,9 @@ def process_mtp_tv_loss(
     # the sweep runs on those logits: the target is not projected twice. Not for the metrics
     # pass (it runs under no_grad here, the main projection with gradients), nor in recompute
     # mode (the logits would be kept for backward, and Megatron's CE overwrites them in place).
+    if main_logits is not None:
+        loss = sweep(main_logits.detach())
+        return main_hidden if metrics_only else _mtp.MTPLossAutoScaler.apply(main_hidden, loss)
     slot = open_slot(output_layer) if fused and not metrics_only else None
     if slot is not None:
         slot.defer(main_hidden, sweep)

@@ -68,7 +68,7 @@ TRACKER_APIS = {
 }
 
 #: ``process_mtp_tv_loss`` parameters that are not ``process_mtp_loss`` parameters.
-_TV_ONLY_PARAMS = ('metrics_only',)
+_TV_ONLY_PARAMS = ('metrics_only', 'main_logits')
 
 
 class UnsupportedMegatronError(RuntimeError):
