@@ -1,10 +1,13 @@
 """What the benchmark measures: one :class:`Case` per implementation and shape, and the builders
 of each row group's cases (``loss``: the per-depth loss against matmul + Megatron's CE, and the
-matrix products alone; ``mtp``: Megatron's ``process_mtp_loss`` through the plugin).
+matrix products alone; ``mtp``: Megatron's ``process_mtp_loss`` through the plugin), and what
+the measured loss code is (:func:`loss_mode`, :func:`tv_target_source`).
 """
 
 import contextlib
 import gc
+import importlib
+import importlib.util
 import os
 from typing import Callable, Dict, List, Optional
 
@@ -14,6 +17,52 @@ from .memory import LiveBytesTracker, SavedTensorsCounter
 
 #: MTP-path cases beside the depth-1 'tv' row: the cold-start losses and the default chunk.
 EXTRA_MTP_TYPES = ('kl', 'lk', 'nla')
+
+#: Where a patched megatron-core tree has the loss package (patch mode, ``patches/``).
+PATCHED_PACKAGE = 'megatron.core.transformer.mtp_tv'
+PLUGIN_PACKAGE = 'megatron.mtp_tv'
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a parent package is missing
+        return False
+
+
+def loss_mode() -> str:
+    """``'patch'`` when the imported megatron-core has the losses natively (a patched tree on
+    ``PYTHONPATH``), else ``'plugin'`` (this checkout's package, installed by ``install()``)."""
+    return 'patch' if _module_exists(PATCHED_PACKAGE) else 'plugin'
+
+
+def loss_package() -> str:
+    """The module name of the loss code this run measures (see :func:`loss_mode`)."""
+    return PATCHED_PACKAGE if loss_mode() == 'patch' else PLUGIN_PACKAGE
+
+
+def loss_module(name: str):
+    """``<measured package>.<name>``, e.g. ``loss_module('mtp_loss')``."""
+    return importlib.import_module(f'{loss_package()}.{name}')
+
+
+def prepare_losses() -> str:
+    """Make ``mtp_loss_type`` work in this process: ``install()`` the plugin in plugin mode,
+    nothing in patch mode (the tree has it natively). Returns the mode."""
+    mode = loss_mode()
+    if mode == 'plugin':
+        import megatron.mtp_tv
+
+        megatron.mtp_tv.install()
+    return mode
+
+
+def tv_target_source() -> str:
+    """Where the measured TV losses take their target distribution from: ``'main logits'`` when
+    the loss package has a ``main_logits`` module (the TV losses reuse the main head's logits),
+    else ``'own projection'`` (they project the detached main hidden states themselves, one
+    more ``[tokens x h x V/tp]`` product per chunk pass)."""
+    return 'main logits' if _module_exists(f'{loss_package()}.main_logits') else 'own projection'
 
 
 class Case:
@@ -88,7 +137,7 @@ def loss_cases(s: int, h: int, V: int, chunk: int, tp_group, tp_rank: int, tp: i
     from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-    from megatron.mtp_tv.linear_tv import linear_tv_loss
+    linear_tv_loss = loss_module('linear_tv').linear_tv_loss
 
     b = 1
     g = torch.Generator().manual_seed(seed)
@@ -199,15 +248,14 @@ class _LanguageModelStub:
 
 def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
               tv_type: str, seed: int = 0) -> Dict[str, Case]:
-    """Megatron's MTP loss path, ``process_mtp_loss`` via the plugin dispatcher."""
-    import megatron.mtp_tv
+    """Megatron's MTP loss path, ``process_mtp_loss`` via the plugin dispatcher (or a patched
+    tree's own one)."""
     from megatron.core.models.gpt import gpt_model
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.mtp_tv.mtp_loss import FUSED_ENV
-
-    megatron.mtp_tv.install()
+    prepare_losses()
+    FUSED_ENV = loss_module('mtp_loss').FUSED_ENV
 
     def config(loss_type, chunk=chunk):
         return TransformerConfig(
@@ -261,3 +309,4 @@ def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
         if chunk != 0:  # mtp_tv_chunk=0 is the default: what a user who sets nothing gets
             cases[f'{tv_type}-auto'] = Case(run(config(tv_type, 0)), leaves, env={FUSED_ENV: '1'})
     return cases
+

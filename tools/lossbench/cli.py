@@ -5,6 +5,7 @@ parse the arguments, run the selected groups, print the report and write it as J
 """
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -15,6 +16,7 @@ from typing import List
 
 import torch
 
+from .cases import loss_mode, loss_package, tv_target_source
 from .report import apply_targets, product_floors, render
 from .runs import cpu_count, run_loss, run_mtp, run_tp
 
@@ -96,8 +98,11 @@ def main(argv=None) -> dict:
     torch.set_num_threads(threads)
     command = ' '.join(shlex.quote(a) for a in [sys.executable, 'tools/bench_loss.py', *argv])
     print(f"command: {command}", flush=True)
-    import megatron.mtp_tv  # noqa: F401  (its location goes into the report)
     from megatron.mtp_tv.testing.distributed import single_process
+
+    measured = importlib.import_module(loss_package())  # its location goes into the report
+    print(f"loss code: {loss_mode()} mode ({loss_package()} at "
+          f"{os.path.dirname(measured.__file__)}); TV target: {tv_target_source()}", flush=True)
 
     log = lambda *a: print(time.strftime('%H:%M:%S'), *a, flush=True)  # noqa: E731
     t0 = time.perf_counter()
@@ -120,8 +125,12 @@ def main(argv=None) -> dict:
             'torch': torch.__version__, 'megatron_core': _dist_version('megatron-core'),
             'python': platform.python_version(), 'cpu': platform.processor() or platform.machine(),
             'threads': threads, 'threads_tp': max(1, cpu_count() // max(args.tp)),
-            'mtp_tv': os.path.dirname(sys.modules['megatron.mtp_tv'].__file__),
-            'git': _git_head(os.path.dirname(sys.modules['megatron.mtp_tv'].__file__)),
+            'mtp_tv': os.path.dirname(measured.__file__),
+            'git': _git_head(os.path.dirname(measured.__file__)),
+            # plugin (this checkout's package, install()ed) or patch (a patched tree's own code)
+            'loss_mode': loss_mode(), 'loss_package': loss_package(),
+            # where the TV losses' target comes from in the measured code
+            'tv_target': tv_target_source(),
         },
         'wall_s': time.perf_counter() - t0,
         'rows': rows,

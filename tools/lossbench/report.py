@@ -128,6 +128,8 @@ def render(report: dict) -> str:
         f"vocab {report['args']['vocab']}, chunk {report['args']['chunk']}, batch 1, "
         f"median of {report['args']['repeats']} (warmup {report['args']['warmup']}), "
         f"wall {report['wall_s']:.0f} s; loss code {env['mtp_tv']} @ {env['git']}")
+    if 'loss_mode' in env:
+        lines[-1] += f" ({env['loss_mode']} mode; TV target: {env['tv_target']})"
     if report['args'].get('label'):
         lines[-1] += f"; {report['args']['label']}"
     lines += ["", "| case | seq | tp | G | impl | time (s) | min-max | ratio vs CE | peak extra MiB "
