@@ -18,7 +18,10 @@ import torch
 
 from .cases import loss_mode, loss_package, tv_target_source
 from .report import apply_targets, product_floors, render
-from .runs import cpu_count, run_loss, run_mtp, run_tp
+from .runs import cpu_count, run_loss, run_mtp, run_step, run_tp
+
+#: The row groups ``--cases`` selects from (see :mod:`lossbench`).
+GROUPS = ('loss', 'mtp', 'tp', 'step')
 
 
 def parse_args(argv=None):
@@ -38,7 +41,12 @@ def parse_args(argv=None):
     p.add_argument('--repeats', type=int, default=None)
     p.add_argument('--warmup', type=int, default=None)
     p.add_argument('--tp', type=ints, default=[1, 2], help='TP sizes for the loss rows (1,2)')
-    p.add_argument('--cases', default='loss,mtp,tp', help='subset of loss,mtp,tp')
+    p.add_argument('--step-seqs', type=ints, default=None,
+                   help="'step' rows: sequence lengths (default 2048,4096)")
+    p.add_argument('--step-depths', type=ints, default=None,
+                   help="'step' rows: mtp_num_layers of the model, one set of rows each (default 1)")
+    p.add_argument('--cases', default='loss,mtp,tp',
+                   help=f"subset of {','.join(GROUPS)} (default loss,mtp,tp)")
     p.add_argument('--threads', type=int, default=None,
                    help='torch threads (0: all cores; default all cores, --quick 1)')
     p.add_argument('--tp-timeout', type=float, default=7200.0)
@@ -48,10 +56,11 @@ def parse_args(argv=None):
                    help='free text for the report header (e.g. which revision of the loss code)')
     args = p.parse_args(argv)
     full = dict(seqs=[1024, 4096, 8192], hidden=1024, vocab=32768, chunk=512, repeats=3, warmup=1,
-                threads=0)
+                threads=0, step_seqs=[2048, 4096], step_depths=[1])
     # One thread: at tiny shapes a second thread only waits for a busy machine's other core
     # at every op (0.6 s instead of 0.02 s per step of a small GPTModel on two shared cores).
-    quick = dict(seqs=[64, 128], hidden=64, vocab=512, chunk=32, repeats=1, warmup=0, threads=1)
+    quick = dict(seqs=[64, 128], hidden=64, vocab=512, chunk=32, repeats=1, warmup=0, threads=1,
+                 step_seqs=[64, 128], step_depths=[1, 2])
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -60,11 +69,13 @@ def parse_args(argv=None):
     if args.e2e_seqs is None:
         args.e2e_seqs = args.mtp_seqs[:1]
     args.cases = [c.strip() for c in args.cases.split(',') if c.strip()]
-    bad = set(args.cases) - {'loss', 'mtp', 'tp'}
+    bad = set(args.cases) - set(GROUPS)
     if bad:
         p.error(f"unknown --cases {sorted(bad)}")
     if args.vocab % max(args.tp) != 0:
         p.error(f"--vocab {args.vocab} must be divisible by every --tp")
+    if any(G < 1 for G in args.step_depths):
+        p.error(f"--step-depths {args.step_depths}: every depth must be >= 1")
     return args
 
 
@@ -107,12 +118,14 @@ def main(argv=None) -> dict:
     log = lambda *a: print(time.strftime('%H:%M:%S'), *a, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     rows: List[dict] = []
-    if 1 in args.tp or 'mtp' in args.cases:
+    if ('loss' in args.cases and 1 in args.tp) or {'mtp', 'step'} & set(args.cases):
         with single_process():
             if 'loss' in args.cases and 1 in args.tp:
                 rows += run_loss(args, log=log)
             if 'mtp' in args.cases:
                 rows += run_mtp(args, log=log)
+            if 'step' in args.cases:
+                rows += run_step(args, log=log)
     if 'tp' in args.cases:
         for tp in args.tp:
             if tp > 1:
