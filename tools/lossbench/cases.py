@@ -1,7 +1,7 @@
 """What the benchmark measures: one :class:`Case` per implementation and shape, and the builders
 of each row group's cases (``loss``: the per-depth loss against matmul + Megatron's CE, and the
-matrix products alone; ``mtp``: Megatron's ``process_mtp_loss`` through the plugin; ``step``:
-a real GPTModel's ``_postprocess``), and what the measured loss code is
+matrix products alone; ``mtp`` and ``wide``: Megatron's ``process_mtp_loss`` through the
+plugin; ``step``: a real GPTModel's ``_postprocess``), and what the measured loss code is
 (:func:`loss_mode`, :func:`tv_target_source`).
 """
 
@@ -21,6 +21,8 @@ from .memory import LiveBytesTracker, SavedTensorsCounter
 EXTRA_MTP_TYPES = ('kl', 'lk', 'nla')
 #: The 'step' rows' TV losses beside 'ce' ('e2e_tv' is added with more than one depth).
 STEP_TYPES = ('tv', 'kl', 'lk')
+#: The 'wide' rows (the MTP path at large hidden sizes).
+WIDE_IMPLS = ('ce', 'tv', 'kl')
 #: Std of the logits the benchmark's output weights give unit-variance hidden states (a
 #: trained model's range): far smaller ones make every loss trivially flat, far larger ones
 #: push probabilities and logit gradients towards subnormals, on which x86 GEMMs crawl.
@@ -261,9 +263,13 @@ class _LanguageModelStub:
 
 
 def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
-              tv_type: str, seed: int = 0) -> Dict[str, Case]:
-    """Megatron's MTP loss path, ``process_mtp_loss`` via the plugin dispatcher (or a patched
-    tree's own one)."""
+              tv_type: str, seed: int = 0, weight_scale: float = 0.08,
+              impls: Optional[Sequence[str]] = None) -> Dict[str, Case]:
+    """Megatron's MTP loss path, ``process_mtp_loss`` via the plugin dispatcher.
+
+    ``weight_scale``: std of the output weight (0.08: logits std ~ 2.5 at h=1024, the 'mtp' rows;
+    the 'wide' rows pass ``LOGIT_STD / sqrt(h)``). ``impls``: keep only these cases.
+    """
     from megatron.core.models.gpt import gpt_model
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -288,7 +294,7 @@ def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
         skip_bias_add=False, gather_output=False, tp_group=tp_group,
     )
     with torch.no_grad():
-        output_layer.weight.mul_(0.08)  # logits std ~ 2.5, as in the loss rows
+        output_layer.weight.mul_(weight_scale)  # 0.08: logits std ~ 2.5 at h=1024, as 'loss'
     b = 1
     g = torch.Generator().manual_seed(seed)
     main = torch.randn(s, b, h, generator=g)
@@ -322,6 +328,8 @@ def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
             cases[loss_type] = Case(run(config(loss_type)), leaves, env={FUSED_ENV: '1'})
         if chunk != 0:  # mtp_tv_chunk=0 is the default: what a user who sets nothing gets
             cases[f'{tv_type}-auto'] = Case(run(config(tv_type, 0)), leaves, env={FUSED_ENV: '1'})
+    if impls is not None:
+        cases = {name: case for name, case in cases.items() if name in impls}
     return cases
 
 

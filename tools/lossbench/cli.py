@@ -18,10 +18,10 @@ import torch
 
 from .cases import loss_mode, loss_package, tv_target_source
 from .report import apply_targets, product_floors, render
-from .runs import cpu_count, run_loss, run_mtp, run_step, run_tp
+from .runs import cpu_count, run_loss, run_mtp, run_step, run_tp, run_wide
 
 #: The row groups ``--cases`` selects from (see :mod:`lossbench`).
-GROUPS = ('loss', 'mtp', 'tp', 'step')
+GROUPS = ('loss', 'mtp', 'tp', 'step', 'wide')
 
 
 def parse_args(argv=None):
@@ -45,6 +45,12 @@ def parse_args(argv=None):
                    help="'step' rows: sequence lengths (default 2048,4096)")
     p.add_argument('--step-depths', type=ints, default=None,
                    help="'step' rows: mtp_num_layers of the model, one set of rows each (default 1)")
+    p.add_argument('--wide-hidden', type=ints, default=None,
+                   help="'wide' rows: hidden sizes (default 4096,7168)")
+    p.add_argument('--wide-vocab', type=int, default=None,
+                   help="'wide' rows: vocabulary per rank, V/tp (default 16384)")
+    p.add_argument('--wide-seqs', type=ints, default=None,
+                   help="'wide' rows: tokens (default 1024,2048,4096)")
     p.add_argument('--cases', default='loss,mtp,tp',
                    help=f"subset of {','.join(GROUPS)} (default loss,mtp,tp)")
     p.add_argument('--threads', type=int, default=None,
@@ -56,11 +62,14 @@ def parse_args(argv=None):
                    help='free text for the report header (e.g. which revision of the loss code)')
     args = p.parse_args(argv)
     full = dict(seqs=[1024, 4096, 8192], hidden=1024, vocab=32768, chunk=512, repeats=3, warmup=1,
-                threads=0, step_seqs=[2048, 4096], step_depths=[1])
+                threads=0,
+                step_seqs=[2048, 4096], step_depths=[1], wide_hidden=[4096, 7168],
+                wide_vocab=16384, wide_seqs=[1024, 2048, 4096])
     # One thread: at tiny shapes a second thread only waits for a busy machine's other core
-    # at every op (0.6 s instead of 0.02 s per step of a small GPTModel on two shared cores).
+    # at every op (0.6 s instead of 0.02 s per step of the 'step' model on two shared cores).
     quick = dict(seqs=[64, 128], hidden=64, vocab=512, chunk=32, repeats=1, warmup=0, threads=1,
-                 step_seqs=[64, 128], step_depths=[1, 2])
+                 step_seqs=[64, 128], step_depths=[1, 2], wide_hidden=[96, 128],
+                 wide_vocab=512, wide_seqs=[64, 128])
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -118,7 +127,7 @@ def main(argv=None) -> dict:
     log = lambda *a: print(time.strftime('%H:%M:%S'), *a, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     rows: List[dict] = []
-    if ('loss' in args.cases and 1 in args.tp) or {'mtp', 'step'} & set(args.cases):
+    if ('loss' in args.cases and 1 in args.tp) or {'mtp', 'step', 'wide'} & set(args.cases):
         with single_process():
             if 'loss' in args.cases and 1 in args.tp:
                 rows += run_loss(args, log=log)
@@ -126,6 +135,8 @@ def main(argv=None) -> dict:
                 rows += run_mtp(args, log=log)
             if 'step' in args.cases:
                 rows += run_step(args, log=log)
+            if 'wide' in args.cases:
+                rows += run_wide(args, log=log)
     if 'tp' in args.cases:
         for tp in args.tp:
             if tp > 1:
