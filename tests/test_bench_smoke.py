@@ -1,9 +1,13 @@
 """Smoke test of the loss benchmark (``tools/bench_loss.py``) and of its memory instruments.
 
-The benchmark itself runs in a subprocess with ``--quick`` (tiny shapes, TP=1 and TP=2); the
-memory tracker is validated in-process on allocation patterns whose byte counts are known.
+The benchmark itself runs in a subprocess with ``--quick`` (tiny shapes, every row group: TP=1
+and TP=2, the 'step' GPTModel and the 'wide' MTP path); the memory tracker is validated
+in-process on allocation patterns whose byte counts are known, the targets and products floors
+on made-up rows.
 """
 
+import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,6 +21,10 @@ TOOLS = os.path.join(ROOT, 'tools')
 sys.path.insert(0, TOOLS)
 
 from lossbench.memory import LiveBytesTracker, SavedTensorsCounter, linear_fit  # noqa: E402
+from lossbench.report import apply_targets, products_floor, step_products  # noqa: E402
+
+#: Every row group, as the quick run below selects them.
+GROUPS = 'loss,mtp,tp,step,wide'
 
 MiB = 1 << 20
 
@@ -85,7 +93,8 @@ def quick_report(tmp_path_factory):
     env = dict(os.environ)
     env['PYTHONPATH'] = ROOT + os.pathsep + env.get('PYTHONPATH', '')
     proc = subprocess.run(
-        [sys.executable, os.path.join(TOOLS, 'bench_loss.py'), '--quick', '--json', str(out)],
+        [sys.executable, os.path.join(TOOLS, 'bench_loss.py'), '--cases', GROUPS, '--quick',
+         '--json', str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -97,7 +106,8 @@ def test_quick_run_prints_table_and_json(quick_report):
     assert stdout.startswith('command: ')
     assert '| case | seq | tp | G | impl | time (s) |' in stdout
     assert 'targets met:' in stdout
-    assert report['command'].endswith('tools/bench_loss.py --quick --json ' + report['args']['json'])
+    assert report['command'].endswith(
+        f"tools/bench_loss.py --cases {GROUPS} --quick --json {report['args']['json']}")
     cases = {(r['case'], r['impl']) for r in report['rows']}
     for case, impls in (('loss', ('ce', 'tv', 'tv-recompute')),
                         ('mtp', ('ce', 'tv', 'tv-recompute', 'e2e_tv', 'e2e_tv-recompute')),
@@ -159,3 +169,105 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert {'ce', 'tv chunk 32', 'tv-recompute chunk 32', 'tv-products chunk 32',
             'ce-products', 'e2e_tv chunk 32'} <= cases
     assert '## Benchmark' in (tmp_path / 'gpu_check.md').read_text()
+
+
+def test_products_floor():
+    # CE: 3 products per MTP depth and 3 for the main head.
+    assert step_products(1) == 6 and step_products(3) == 12
+    assert products_floor(1, 1) == pytest.approx(7 / 6)  # TV with its own target projection
+    assert products_floor(3, 1) == pytest.approx(13 / 12)
+    assert products_floor(2, 0) == 1.0  # TV with the target from the main logits
+    assert products_floor(1, 2, per_head=4) == pytest.approx(10 / 8)
+
+
+def _row(case, impl, seq=4096, G=1, ratio=1.0, peak=100.0, **extra):
+    return {'case': case, 'seq': seq, 'tp': 1, 'G': G, 'impl': impl, 'tokens': seq * G,
+            'ratio': ratio, 'peak_mib': peak, 'saved_bytes': 0, **extra}
+
+
+def test_targets_on_made_up_rows():
+    rows = [
+        _row('mtp', 'ce'), _row('mtp', 'tv', ratio=1.09, peak=99),
+        _row('mtp', 'kl', ratio=1.11, peak=99), _row('mtp', 'nla', ratio=1.39, peak=99),
+        _row('mtp', 'tv-auto', ratio=1.05, peak=101), _row('mtp', 'tv-recompute', ratio=3.0),
+        _row('mtp', 'ce', seq=1024), _row('mtp', 'lk', seq=1024, ratio=2.0, peak=99),
+        _row('mtp', 'ce', G=3), _row('mtp', 'e2e_tv', G=3, ratio=1.01, peak=99),
+        _row('step', 'ce', target_source='own projection'),
+        _row('step', 'tv', ratio=1.02, peak=100, target_source='own projection'),
+        _row('step', 'kl', ratio=1.04, peak=90, target_source='own projection'),
+        _row('wide', 'ce', hidden=4096), _row('wide', 'tv', ratio=3.0, peak=50, hidden=4096),
+        _row('wide', 'ce', hidden=7168, peak=10), _row('wide', 'tv', hidden=7168, peak=11),
+    ]
+    apply_targets(rows, argparse.Namespace(hidden=64))
+    met = {(r['case'], r['seq'], r['G'], r['impl'], r.get('hidden')): r['met'] for r in rows}
+    assert met[('mtp', 4096, 1, 'tv', None)] is True  # 1.09 <= 1.10
+    assert met[('mtp', 4096, 1, 'kl', None)] is False  # 1.11 > 1.10
+    assert met[('mtp', 4096, 1, 'nla', None)] is True  # 1.4x kept
+    assert met[('mtp', 4096, 1, 'tv-auto', None)] is False  # peak above CE's
+    assert met[('mtp', 4096, 1, 'tv-recompute', None)] is None
+    assert met[('mtp', 1024, 1, 'lk', None)] is True  # no time target at 1k: peak only
+    assert met[('mtp', 4096, 3, 'e2e_tv', None)] is False  # 1.0x with 3 depths
+    assert met[('step', 4096, 1, 'tv', None)] is True  # 1.02 <= 1.03, peak equal
+    assert met[('step', 4096, 1, 'kl', None)] is False
+    assert met[('wide', 4096, 1, 'tv', 4096)] is True  # peak only, whatever the time
+    assert met[('wide', 4096, 1, 'tv', 7168)] is False  # against its own hidden size's CE
+    targets = {(r['case'], r['seq'], r['G'], r['impl']): r['target'] for r in rows}
+    assert targets[('mtp', 4096, 1, 'tv')] == "time <= 1.1x, peak <= CE's"
+    assert targets[('mtp', 1024, 1, 'lk')].startswith("peak <= CE's (time <= 1.1x at 4096, 8192")
+    assert targets[('mtp', 4096, 3, 'e2e_tv')] == "time <= 1.0x, peak <= CE's"
+    step = {r['impl']: r for r in rows if r['case'] == 'step'}
+    assert step['ce']['floor'] == 1.0 and step['tv']['floor'] == pytest.approx(7 / 6)
+    assert step['tv']['floor_main'] == 1.0 and step['tv']['products'] == 7
+
+
+def test_quick_run_step_rows(quick_report):
+    """'step': GPTModel._postprocess per loss type, at every quick depth and length."""
+    stdout, report = quick_report
+    args, env = report['args'], report['environment']
+    assert env['loss_mode'] == 'plugin'  # no patched tree on this path
+    main_logits = importlib.util.find_spec('megatron.mtp_tv.main_logits') is not None
+    source = 'main logits' if main_logits else 'own projection'
+    assert env['tv_target'] == source
+    rows = [r for r in report['rows'] if r['case'] == 'step']
+    assert len(args['step_depths']) >= 1 and max(args['step_depths']) > 1  # e2e_tv exercised
+    for G in args['step_depths']:
+        for s in args['step_seqs']:
+            got = {r['impl']: r for r in rows if r['G'] == G and r['seq'] == s}
+            impls = {'ce', 'tv', 'kl', 'lk'} | ({'e2e_tv'} if G > 1 else set())
+            assert set(got) == impls, (G, s, sorted(got))
+            for impl, r in got.items():
+                assert r['time_s'] > 0 and r['peak_mib'] > 0 and r['ratio'] > 0
+                assert r['hidden'] == args['hidden'] and r['vocab'] == args['vocab']
+                assert r['mode'] == 'plugin' and r['target_source'] == source
+                assert r['floor_own'] == pytest.approx((3 * G + 4) / (3 * G + 3))
+                assert r['floor_main'] == 1.0
+                if impl == 'ce':
+                    assert r['ratio'] == 1.0 and r['met'] is None and r['floor'] == 1.0
+                else:
+                    assert r['floor'] == (r['floor_main'] if main_logits else r['floor_own'])
+                    assert r['target'] == "time <= 1.03x, peak <= CE's"
+                    assert r['met'] in (True, False)
+    assert '## step: `GPTModel._postprocess` fwd+bwd' in stdout
+    assert f'TV target from **{source}**' in stdout
+    assert '| 64 | 1 | tv |' in stdout
+
+
+def test_quick_run_wide_rows(quick_report):
+    """'wide': the MTP path at each quick hidden size, 'ce', 'tv', 'kl', the automatic chunk."""
+    stdout, report = quick_report
+    args = report['args']
+    rows = [r for r in report['rows'] if r['case'] == 'wide']
+    for h in args['wide_hidden']:
+        for s in args['wide_seqs']:
+            got = {r['impl']: r for r in rows if r['hidden'] == h and r['seq'] == s}
+            assert set(got) == {'ce', 'tv', 'kl'}, (h, s, sorted(got))
+            for impl, r in got.items():
+                assert r['time_s'] > 0 and r['peak_mib'] > 0 and r['G'] == 1
+                assert r['vocab'] == args['wide_vocab'] and r['chunk'] == 0
+                assert 0 < r['auto_chunk'] <= s
+                if impl == 'ce':
+                    assert r['met'] is None
+                else:
+                    assert r['target'] == "peak <= CE's"
+                    assert r['met'] == (r['peak_mib'] <= got['ce']['peak_mib'])
+    assert '## wide: the MTP path at large hidden sizes' in stdout

@@ -1,6 +1,7 @@
 """Benchmark the MTP TV losses against Megatron's cross-entropy, CPU fp32, side by side.
 
-    .venv/bin/python tools/bench_loss.py                      # the full benchmark (~45 min)
+    .venv/bin/python tools/bench_loss.py                      # loss, mtp, tp rows (~45 min)
+    .venv/bin/python tools/bench_loss.py --cases step,wide     # the GPTModel step, large h
     .venv/bin/python tools/bench_loss.py --quick --json x.json  # tiny shapes, seconds
 
 The benchmark is the package ``tools/lossbench`` (its row groups and targets are described

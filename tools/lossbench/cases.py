@@ -1,12 +1,17 @@
 """What the benchmark measures: one :class:`Case` per implementation and shape, and the builders
 of each row group's cases (``loss``: the per-depth loss against matmul + Megatron's CE, and the
-matrix products alone; ``mtp``: Megatron's ``process_mtp_loss`` through the plugin).
+matrix products alone; ``mtp`` and ``wide``: Megatron's ``process_mtp_loss`` through the
+plugin; ``step``: a real GPTModel's ``_postprocess``), and what the measured loss code is
+(:func:`loss_mode`, :func:`tv_target_source`).
 """
 
 import contextlib
 import gc
+import importlib
+import importlib.util
+import math
 import os
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -14,6 +19,66 @@ from .memory import LiveBytesTracker, SavedTensorsCounter
 
 #: MTP-path cases beside the depth-1 'tv' row: the cold-start losses and the default chunk.
 EXTRA_MTP_TYPES = ('kl', 'lk', 'nla')
+#: The 'step' rows' TV losses beside 'ce' ('e2e_tv' is added with more than one depth).
+STEP_TYPES = ('tv', 'kl', 'lk')
+#: The 'wide' rows (the MTP path at large hidden sizes).
+WIDE_IMPLS = ('ce', 'tv', 'kl')
+#: Std of the logits the benchmark's output weights give unit-variance hidden states (a
+#: trained model's range): far smaller ones make every loss trivially flat, far larger ones
+#: push probabilities and logit gradients towards subnormals, on which x86 GEMMs crawl.
+LOGIT_STD = 2.5
+
+#: Where a patched megatron-core tree has the loss package (patch mode, ``patches/``).
+PATCHED_PACKAGE = 'megatron.core.transformer.mtp_tv'
+PLUGIN_PACKAGE = 'megatron.mtp_tv'
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a parent package is missing
+        return False
+
+
+def loss_mode() -> str:
+    """``'patch'`` when the imported megatron-core has the losses natively (a patched tree on
+    ``PYTHONPATH``), else ``'plugin'`` (this checkout's package, installed by ``install()``)."""
+    return 'patch' if _module_exists(PATCHED_PACKAGE) else 'plugin'
+
+
+def loss_package() -> str:
+    """The module name of the loss code this run measures (see :func:`loss_mode`)."""
+    return PATCHED_PACKAGE if loss_mode() == 'patch' else PLUGIN_PACKAGE
+
+
+def loss_module(name: str):
+    """``<measured package>.<name>``, e.g. ``loss_module('mtp_loss')``."""
+    return importlib.import_module(f'{loss_package()}.{name}')
+
+
+def prepare_losses() -> str:
+    """Make ``mtp_loss_type`` work in this process: ``install()`` the plugin in plugin mode,
+    nothing in patch mode (the tree has it natively). Returns the mode."""
+    mode = loss_mode()
+    if mode == 'plugin':
+        import megatron.mtp_tv
+
+        megatron.mtp_tv.install()
+    return mode
+
+
+def tv_target_source() -> str:
+    """Where the measured TV losses take their target distribution from: ``'main logits'`` when
+    the loss package has a ``main_logits`` module (the TV losses reuse the main head's logits),
+    else ``'own projection'`` (they project the detached main hidden states themselves, one
+    more ``[tokens x h x V/tp]`` product per chunk pass)."""
+    return 'main logits' if _module_exists(f'{loss_package()}.main_logits') else 'own projection'
+
+
+def auto_chunk(num_tokens: int, depths: int, hidden: int, vocab_local: int) -> Optional[int]:
+    """The chunk ``mtp_tv_chunk=0`` picks in the measured code (None if it has no such rule)."""
+    rule = getattr(loss_module('linear_tv'), 'auto_chunk_tokens', None)
+    return None if rule is None else int(rule(num_tokens, depths, hidden, vocab_local))
 
 
 class Case:
@@ -88,7 +153,7 @@ def loss_cases(s: int, h: int, V: int, chunk: int, tp_group, tp_rank: int, tp: i
     from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-    from megatron.mtp_tv.linear_tv import linear_tv_loss
+    linear_tv_loss = loss_module('linear_tv').linear_tv_loss
 
     b = 1
     g = torch.Generator().manual_seed(seed)
@@ -198,16 +263,19 @@ class _LanguageModelStub:
 
 
 def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
-              tv_type: str, seed: int = 0) -> Dict[str, Case]:
-    """Megatron's MTP loss path, ``process_mtp_loss`` via the plugin dispatcher."""
-    import megatron.mtp_tv
+              tv_type: str, seed: int = 0, weight_scale: float = 0.08,
+              impls: Optional[Sequence[str]] = None) -> Dict[str, Case]:
+    """Megatron's MTP loss path, ``process_mtp_loss`` via the plugin dispatcher.
+
+    ``weight_scale``: std of the output weight (0.08: logits std ~ 2.5 at h=1024, the 'mtp' rows;
+    the 'wide' rows pass ``LOGIT_STD / sqrt(h)``). ``impls``: keep only these cases.
+    """
     from megatron.core.models.gpt import gpt_model
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.mtp_tv.mtp_loss import FUSED_ENV
-
-    megatron.mtp_tv.install()
+    prepare_losses()
+    FUSED_ENV = loss_module('mtp_loss').FUSED_ENV
 
     def config(loss_type, chunk=chunk):
         return TransformerConfig(
@@ -226,7 +294,7 @@ def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
         skip_bias_add=False, gather_output=False, tp_group=tp_group,
     )
     with torch.no_grad():
-        output_layer.weight.mul_(0.08)  # logits std ~ 2.5, as in the loss rows
+        output_layer.weight.mul_(weight_scale)  # 0.08: logits std ~ 2.5 at h=1024, as 'loss'
     b = 1
     g = torch.Generator().manual_seed(seed)
     main = torch.randn(s, b, h, generator=g)
@@ -260,4 +328,76 @@ def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
             cases[loss_type] = Case(run(config(loss_type)), leaves, env={FUSED_ENV: '1'})
         if chunk != 0:  # mtp_tv_chunk=0 is the default: what a user who sets nothing gets
             cases[f'{tv_type}-auto'] = Case(run(config(tv_type, 0)), leaves, env={FUSED_ENV: '1'})
+    if impls is not None:
+        cases = {name: case for name, case in cases.items() if name in impls}
+    return cases
+
+
+def step_heads(h: int) -> int:
+    """Attention heads of the 'step' model's MTP layers: 128-wide heads where ``h`` allows."""
+    for width in (128, 64):
+        if h % width == 0 and h >= width:
+            return h // width
+    return 1
+
+
+def step_cases(G: int, s: int, h: int, V: int, seed: int = 0,
+               types: Optional[Sequence[str]] = None) -> Dict[str, Case]:
+    """What a user pays past the decoder: ``GPTModel._postprocess`` forward+backward.
+
+    One real megatron-core GPTModel (local spec, rope, untied output layer, ``mtp_num_layers=G``,
+    one decoder layer that is never run) serves every case; each case sets
+    ``model.config.mtp_loss_type`` before its forward, so all of them run the same weights, and
+    only one model is in memory. The decoder output is a leaf ``[s, 1, h]`` (unit variance, as
+    after the decoder's final norm); ``_postprocess`` runs the MTP layer(s) on it, the MTP loss
+    (``process_mtp_loss`` through the dispatcher), the main logits and the main CE. The
+    forward returns the masked mean of the main per-token loss (the MTP loss rides on it through
+    ``MTPLossAutoScaler``), as a training step's loss function does. The output weight is drawn
+    with std ``LOGIT_STD / sqrt(h)`` (logits std ~ 2.5 on the normalised hidden states), from a
+    seed the hidden states do not share. ``mtp_tv_chunk`` is the default 0 (automatic).
+    """
+    from megatron.mtp_tv.testing.cpu import causal_attention_mask
+    from megatron.mtp_tv.testing.models import build_gpt_with_mtp
+
+    prepare_losses()
+    FUSED_ENV = loss_module('mtp_loss').FUSED_ENV
+    if types is None:
+        types = STEP_TYPES + (('e2e_tv',) if G > 1 else ())
+    model = build_gpt_with_mtp(
+        vocab_size=V, hidden_size=h, num_layers=1, mtp_num_layers=G, seq_length=s,
+        num_attention_heads=step_heads(h), tie_embeddings=False, position_embedding_type='rope',
+        seed=seed + 104729, mtp_loss_type='ce', mtp_tv_chunk=0,
+    )
+    model.train()
+    weight = model.output_layer.weight
+    with torch.no_grad():
+        weight.normal_(0.0, LOGIT_STD / math.sqrt(h),
+                       generator=torch.Generator().manual_seed(seed + 7919))
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(s, 1, h, generator=g).requires_grad_()
+    tokens = torch.randint(0, V, (1, s + 1), generator=g)
+    input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    position_ids = torch.arange(s).unsqueeze(0)
+    loss_mask = torch.ones(1, s)
+    attention_mask = causal_attention_mask(s)
+    # As GPTModel._preprocess computes it, outside the timed region (it precedes the decoder).
+    rotary_pos_emb = model.rotary_pos_emb(model.rotary_pos_emb.get_rotary_seq_len(
+        None, model.decoder, hidden, model.config, None))
+
+    def run(loss_type):
+        def forward():
+            model.config.mtp_loss_type = loss_type
+            loss = model._postprocess(
+                hidden_states=hidden, input_ids=input_ids, position_ids=position_ids,
+                labels=labels, rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=None,
+                rotary_pos_sin=None, mtp_in_postprocess=True, loss_mask=loss_mask,
+                attention_mask=attention_mask,
+            )
+            return (loss * loss_mask).sum() / loss_mask.sum()
+        return forward
+
+    leaves = [hidden] + [p for p in model.parameters() if p.requires_grad]
+    cases = {'ce': Case(run('ce'), leaves)}
+    for loss_type in types:
+        cases[loss_type] = Case(run(loss_type), leaves, env={FUSED_ENV: '1'})
     return cases

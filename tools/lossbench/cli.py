@@ -5,6 +5,7 @@ parse the arguments, run the selected groups, print the report and write it as J
 """
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -15,8 +16,12 @@ from typing import List
 
 import torch
 
+from .cases import loss_mode, loss_package, tv_target_source
 from .report import apply_targets, product_floors, render
-from .runs import cpu_count, run_loss, run_mtp, run_tp
+from .runs import cpu_count, run_loss, run_mtp, run_step, run_tp, run_wide
+
+#: The row groups ``--cases`` selects from (see :mod:`lossbench`).
+GROUPS = ('loss', 'mtp', 'tp', 'step', 'wide')
 
 
 def parse_args(argv=None):
@@ -36,16 +41,35 @@ def parse_args(argv=None):
     p.add_argument('--repeats', type=int, default=None)
     p.add_argument('--warmup', type=int, default=None)
     p.add_argument('--tp', type=ints, default=[1, 2], help='TP sizes for the loss rows (1,2)')
-    p.add_argument('--cases', default='loss,mtp,tp', help='subset of loss,mtp,tp')
-    p.add_argument('--threads', type=int, default=0, help='torch threads (0: all cores)')
+    p.add_argument('--step-seqs', type=ints, default=None,
+                   help="'step' rows: sequence lengths (default 2048,4096)")
+    p.add_argument('--step-depths', type=ints, default=None,
+                   help="'step' rows: mtp_num_layers of the model, one set of rows each (default 1)")
+    p.add_argument('--wide-hidden', type=ints, default=None,
+                   help="'wide' rows: hidden sizes (default 4096,7168)")
+    p.add_argument('--wide-vocab', type=int, default=None,
+                   help="'wide' rows: vocabulary per rank, V/tp (default 16384)")
+    p.add_argument('--wide-seqs', type=ints, default=None,
+                   help="'wide' rows: tokens (default 1024,2048,4096)")
+    p.add_argument('--cases', default='loss,mtp,tp',
+                   help=f"subset of {','.join(GROUPS)} (default loss,mtp,tp)")
+    p.add_argument('--threads', type=int, default=None,
+                   help='torch threads (0: all cores; default all cores, --quick 1)')
     p.add_argument('--tp-timeout', type=float, default=7200.0)
-    p.add_argument('--quick', action='store_true', help='tiny shapes (smoke test)')
+    p.add_argument('--quick', action='store_true', help='tiny shapes, one thread (smoke test)')
     p.add_argument('--json', default=None, help='also write the report as JSON here')
     p.add_argument('--label', default='',
                    help='free text for the report header (e.g. which revision of the loss code)')
     args = p.parse_args(argv)
-    full = dict(seqs=[1024, 4096, 8192], hidden=1024, vocab=32768, chunk=512, repeats=3, warmup=1)
-    quick = dict(seqs=[64, 128], hidden=64, vocab=512, chunk=32, repeats=1, warmup=0)
+    full = dict(seqs=[1024, 4096, 8192], hidden=1024, vocab=32768, chunk=512, repeats=3, warmup=1,
+                threads=0,
+                step_seqs=[2048, 4096], step_depths=[1], wide_hidden=[4096, 7168],
+                wide_vocab=16384, wide_seqs=[1024, 2048, 4096])
+    # One thread: at tiny shapes a second thread only waits for a busy machine's other core
+    # at every op (0.6 s instead of 0.02 s per step of the 'step' model on two shared cores).
+    quick = dict(seqs=[64, 128], hidden=64, vocab=512, chunk=32, repeats=1, warmup=0, threads=1,
+                 step_seqs=[64, 128], step_depths=[1, 2], wide_hidden=[96, 128],
+                 wide_vocab=512, wide_seqs=[64, 128])
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -54,11 +78,13 @@ def parse_args(argv=None):
     if args.e2e_seqs is None:
         args.e2e_seqs = args.mtp_seqs[:1]
     args.cases = [c.strip() for c in args.cases.split(',') if c.strip()]
-    bad = set(args.cases) - {'loss', 'mtp', 'tp'}
+    bad = set(args.cases) - set(GROUPS)
     if bad:
         p.error(f"unknown --cases {sorted(bad)}")
     if args.vocab % max(args.tp) != 0:
         p.error(f"--vocab {args.vocab} must be divisible by every --tp")
+    if any(G < 1 for G in args.step_depths):
+        p.error(f"--step-depths {args.step_depths}: every depth must be >= 1")
     return args
 
 
@@ -92,18 +118,25 @@ def main(argv=None) -> dict:
     torch.set_num_threads(threads)
     command = ' '.join(shlex.quote(a) for a in [sys.executable, 'tools/bench_loss.py', *argv])
     print(f"command: {command}", flush=True)
-    import megatron.mtp_tv  # noqa: F401  (its location goes into the report)
     from megatron.mtp_tv.testing.distributed import single_process
+
+    measured = importlib.import_module(loss_package())  # its location goes into the report
+    print(f"loss code: {loss_mode()} mode ({loss_package()} at "
+          f"{os.path.dirname(measured.__file__)}); TV target: {tv_target_source()}", flush=True)
 
     log = lambda *a: print(time.strftime('%H:%M:%S'), *a, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     rows: List[dict] = []
-    if 1 in args.tp or 'mtp' in args.cases:
+    if ('loss' in args.cases and 1 in args.tp) or {'mtp', 'step', 'wide'} & set(args.cases):
         with single_process():
             if 'loss' in args.cases and 1 in args.tp:
                 rows += run_loss(args, log=log)
             if 'mtp' in args.cases:
                 rows += run_mtp(args, log=log)
+            if 'step' in args.cases:
+                rows += run_step(args, log=log)
+            if 'wide' in args.cases:
+                rows += run_wide(args, log=log)
     if 'tp' in args.cases:
         for tp in args.tp:
             if tp > 1:
@@ -116,8 +149,12 @@ def main(argv=None) -> dict:
             'torch': torch.__version__, 'megatron_core': _dist_version('megatron-core'),
             'python': platform.python_version(), 'cpu': platform.processor() or platform.machine(),
             'threads': threads, 'threads_tp': max(1, cpu_count() // max(args.tp)),
-            'mtp_tv': os.path.dirname(sys.modules['megatron.mtp_tv'].__file__),
-            'git': _git_head(os.path.dirname(sys.modules['megatron.mtp_tv'].__file__)),
+            'mtp_tv': os.path.dirname(measured.__file__),
+            'git': _git_head(os.path.dirname(measured.__file__)),
+            # plugin (this checkout's package, install()ed) or patch (a patched tree's own code)
+            'loss_mode': loss_mode(), 'loss_package': loss_package(),
+            # where the TV losses' target comes from in the measured code
+            'tv_target': tv_target_source(),
         },
         'wall_s': time.perf_counter() - t0,
         'rows': rows,

@@ -1,5 +1,6 @@
-"""The runs: each row group's shapes measured and turned into report rows, the TP=2 rows in
-gloo processes (one per rank, the slowest rank's time kept).
+"""The runs: each row group's shapes measured and turned into report rows (``loss``, ``mtp``,
+``step``, ``wide`` in this process; ``tp`` in gloo processes, one per rank, the slowest rank's
+time kept).
 """
 
 import argparse
@@ -9,7 +10,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .cases import loss_cases, mtp_cases
+from .cases import (LOGIT_STD, WIDE_IMPLS, auto_chunk, loss_cases, loss_mode, mtp_cases,
+                    step_cases, tv_target_source)
 from .memory import MiB
 from .timing import measure
 
@@ -65,6 +67,45 @@ def run_mtp(args, log=print) -> List[dict]:
             res = measure(cases, args.repeats, args.warmup)
             rows += _rows('mtp', s, 1, G, res, G * s)
             log(f"  mtp G={G} s={s}: " + ", ".join(f"{k} {v['time']:.3f}s" for k, v in res.items()))
+            del cases, res
+    return rows
+
+
+def run_step(args, log=print) -> List[dict]:
+    """The 'step' rows: ``GPTModel._postprocess`` fwd+bwd per depth count and sequence length."""
+    from megatron.mtp_tv.testing.distributed import reset_mtp_tracker
+
+    rows = []
+    for G in args.step_depths:
+        for s in args.step_seqs:
+            reset_mtp_tracker()
+            cases = step_cases(G, s, args.hidden, args.vocab)
+            res = measure(cases, args.repeats, args.warmup)
+            extra = {'hidden': args.hidden, 'vocab': args.vocab, 'chunk': 0,
+                     'auto_chunk': auto_chunk(s, G, args.hidden, args.vocab),
+                     'mode': loss_mode(), 'target_source': tv_target_source()}
+            rows += _rows('step', s, 1, G, res, s, extra)
+            log(f"  step G={G} s={s}: " + ", ".join(f"{k} {v['time']:.3f}s" for k, v in res.items()))
+            del cases, res
+    return rows
+
+
+def run_wide(args, log=print) -> List[dict]:
+    """The 'wide' rows: the MTP path (G=1, automatic chunk) at large hidden sizes."""
+    from megatron.mtp_tv.testing.distributed import reset_mtp_tracker
+
+    rows = []
+    for h in args.wide_hidden:
+        for s in args.wide_seqs:
+            reset_mtp_tracker()
+            # Logits std ~ LOGIT_STD at every h: 0.08 (the 'mtp' rows' scale) would give 5-7 here.
+            cases = mtp_cases(1, s, h, args.wide_vocab, 0, None, 1, 'tv',
+                              weight_scale=LOGIT_STD / h ** 0.5, impls=WIDE_IMPLS)
+            res = measure(cases, args.repeats, args.warmup)
+            extra = {'hidden': h, 'vocab': args.wide_vocab, 'chunk': 0,
+                     'auto_chunk': auto_chunk(s, 1, h, args.wide_vocab), 'mode': loss_mode()}
+            rows += _rows('wide', s, 1, 1, res, s, extra)
+            log(f"  wide h={h} s={s}: " + ", ".join(f"{k} {v['time']:.3f}s" for k, v in res.items()))
             del cases, res
     return rows
 
