@@ -22,7 +22,7 @@ EXTRA_MTP_TYPES = ('kl', 'lk', 'nla')
 #: The 'step' rows' TV losses beside 'ce' ('e2e_tv' is added with more than one depth).
 STEP_TYPES = ('tv', 'kl', 'lk')
 #: The 'wide' rows (the MTP path at large hidden sizes).
-WIDE_IMPLS = ('ce', 'tv', 'kl')
+WIDE_IMPLS = ('ce', 'tv', 'tv-own', 'kl')
 #: Std of the logits the benchmark's output weights give unit-variance hidden states (a
 #: trained model's range): far smaller ones make every loss trivially flat, far larger ones
 #: push probabilities and logit gradients towards subnormals, on which x86 GEMMs crawl.
@@ -304,17 +304,27 @@ def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
     labels = torch.randint(0, V, (b, s), generator=g)
     loss_mask = torch.ones(b, s)
 
-    def run(cfg):
-        stub = _LanguageModelStub(cfg, tp_group)
+    # The main head's logits of the main hidden states: GPTModel._postprocess computes them for
+    # the main loss right after the MTP loss, and the TV losses read their target from them
+    # (megatron.mtp_tv.main_logits). They exist in the step whatever the MTP loss, so they are
+    # made here, outside the measured region, and handed over as _postprocess hands them.
+    main_logits = None
+    if tv_target_source() == 'main logits':
+        with torch.no_grad():
+            main_logits, _ = output_layer(hidden[:s].detach())
 
-        def forward():
-            return gpt_model.process_mtp_loss(
-                hidden_states=hidden, labels=labels, loss_mask=loss_mask,
-                output_layer=output_layer, output_weight=None, runtime_gather_output=None,
-                is_training=True, compute_language_model_loss=stub.compute_language_model_loss,
-                config=cfg, cp_group=None, tp_group=tp_group, packed_seq_params=None,
-            )
-        return forward
+    def run(cfg, from_main_logits=True):
+        stub = _LanguageModelStub(cfg, tp_group)
+        kwargs = dict(
+            hidden_states=hidden, labels=labels, loss_mask=loss_mask,
+            output_layer=output_layer, output_weight=None, runtime_gather_output=None,
+            is_training=True, compute_language_model_loss=stub.compute_language_model_loss,
+            config=cfg, cp_group=None, tp_group=tp_group, packed_seq_params=None,
+        )
+        if cfg.mtp_loss_type != 'ce' and from_main_logits and main_logits is not None:
+            process_mtp_tv_loss = loss_module('mtp_loss').process_mtp_tv_loss
+            return lambda: process_mtp_tv_loss(**kwargs, main_logits=main_logits)
+        return lambda: gpt_model.process_mtp_loss(**kwargs)
 
     leaves = [hidden, output_layer.weight]
     tv_config = config(tv_type)
@@ -323,6 +333,8 @@ def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
         tv_type: Case(run(tv_config), leaves, env={FUSED_ENV: '1'}),
         f'{tv_type}-recompute': Case(run(tv_config), leaves, env={FUSED_ENV: '0'}),
     }
+    if main_logits is not None:  # the fallback: the loss projects its own target
+        cases[f'{tv_type}-own'] = Case(run(tv_config, False), leaves, env={FUSED_ENV: '1'})
     if G == 1:
         for loss_type in EXTRA_MTP_TYPES:
             cases[loss_type] = Case(run(config(loss_type)), leaves, env={FUSED_ENV: '1'})

@@ -100,7 +100,7 @@ def apply_targets(rows: List[dict], args) -> List[dict]:
             r['target'] = f"time <= {limit}x"
             r['met'] = r['ratio'] <= limit
         elif r['case'] == 'mtp':
-            if not fused:
+            if not fused or r['impl'].endswith('-own'):  # recompute mode; the own-target fallback
                 r['target'] = 'reference'
                 continue
             ce = by_key[(r['case'], r['seq'], r['tp'], r['G'], 'ce')]
