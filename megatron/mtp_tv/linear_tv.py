@@ -253,9 +253,11 @@ def linear_tv_loss(
         target_hidden = target_logits.detach()  # the sweep's target rows are then logit rows
     target_hidden, token_weights = target_hidden.detach(), token_weights.detach().float()
     if torch.is_grad_enabled() and (draft_hidden.requires_grad or weight.requires_grad):
-        loss_value, alpha, correct, per_depth, agreement = _LinearTV.apply(
-            draft_hidden, weight, target_hidden, token_weights, plan
-        )
+        # The per-row results leave through a side channel, not as outputs of the Function:
+        # autograd would keep outputs marked non-differentiable alive until backward.
+        per_row = {}
+        loss_value = _LinearTV.apply(draft_hidden, weight, target_hidden, token_weights, plan, per_row)
+        alpha, correct, per_depth, agreement = per_row['results']
     else:  # evaluation or metrics only: no gradient work at all
         out = _sweep(draft_hidden, weight, target_hidden, token_weights, plan, False, False)
         loss_value, alpha, correct, per_depth, agreement = out[:5]
@@ -284,7 +286,7 @@ class _LinearTV(torch.autograd.Function):
     """Scalar draft objective; gradients computed in forward (fused) or by a second sweep."""
 
     @staticmethod
-    def forward(ctx, draft_hidden, weight, target, token_weights, plan: _Plan):
+    def forward(ctx, draft_hidden, weight, target, token_weights, plan: _Plan, per_row: dict):
         need_draft_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         storage = plan.grad_storage
         if plan.fused and storage == 'auto':
@@ -299,7 +301,9 @@ class _LinearTV(torch.autograd.Function):
             weight_grad=plan.fused and need_weight_grad,
             keep_logit_grads=keep_logit_grads,
         )
-        ctx.plan = plan
+        # Only the recompute mode needs the plan in backward; the fused modes must not keep its
+        # labels and halos alive until then.
+        ctx.plan = None if plan.fused else plan
         ctx.need = (need_draft_grad, need_weight_grad)
         ctx.keep_logit_grads = keep_logit_grads
         if keep_logit_grads:
@@ -310,18 +314,18 @@ class _LinearTV(torch.autograd.Function):
             ctx.save_for_backward(out.grad_scale, *grads)
         else:
             ctx.save_for_backward(draft_hidden, weight, target, token_weights)
-        ctx.mark_non_differentiable(out.alpha, out.correct, out.per_depth, out.agreement)
-        return out.loss, out.alpha, out.correct, out.per_depth, out.agreement
+        per_row['results'] = (out.alpha, out.correct, out.per_depth, out.agreement)
+        return out.loss
 
     @staticmethod
-    def backward(ctx, grad_loss, *_grad_metrics):
+    def backward(ctx, grad_loss):
         need_draft_grad, need_weight_grad = ctx.need
         if ctx.keep_logit_grads:
             grad_scale, logit_grads, draft_hidden, weight = ctx.saved_tensors
             grad_draft, grad_weight = _gradients_from_logit_grads(
                 logit_grads, draft_hidden, weight, need_draft_grad, need_weight_grad
             )
-        elif ctx.plan.fused:
+        elif ctx.plan is None:  # fused, dense gradients
             grad_scale, *saved = ctx.saved_tensors
             grad_draft = saved.pop(0) if need_draft_grad else None
             grad_weight = saved.pop(0) if need_weight_grad else None
@@ -345,7 +349,7 @@ class _LinearTV(torch.autograd.Function):
             grad_draft.mul_(factor)
         if grad_weight is not None:
             grad_weight.mul_(factor)
-        return grad_draft, grad_weight, None, None, None
+        return grad_draft, grad_weight, None, None, None, None
 
 
 def _gradients_from_logit_grads(logit_grads, draft_hidden, weight, draft_grad, weight_grad):

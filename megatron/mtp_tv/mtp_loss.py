@@ -146,8 +146,11 @@ def process_mtp_tv_loss(
     loss_type = getattr(config, 'mtp_loss_type', 'ce')
     if is_cross_entropy(loss_type):
         loss_type = 'tv'  # metrics only
-    hidden_states_list = torch.chunk(hidden_states, 1 + depth, dim=0)
-    main_hidden = hidden_states_list[0]
+    # One split into the main rows and every depth's rows, as Megatron's torch.chunk: in
+    # backward one node then assembles the [(1+D)s, b, h] gradient; two views of hidden_states
+    # (a chunk and a slice) would each build one of that size, and the loss would peak above CE.
+    s_main = hidden_states.shape[0] // (1 + depth)
+    main_hidden, draft = torch.split(hidden_states, [s_main, depth * s_main], dim=0)
 
     def roll(t, field, roll_depth):
         return _roll_once(t, cp_group, packed_seq_params, sequence_roll_context, field, roll_depth)
@@ -207,7 +210,7 @@ def process_mtp_tv_loss(
 
     # Inputs in the layout the vocab-sharded projection needs, with Megatron's own TP mappings
     # (their backward is the all-reduce / reduce-scatter a column-parallel layer would do).
-    draft = hidden_states[main_hidden.shape[0] :]  # [D*s', b, h], one block per depth
+    # draft: [D*s', b, h], one block per depth
     target = main_hidden.detach()
     tp = group_size(tp_group)
     if tp > 1 and sequence_parallel:
