@@ -41,6 +41,7 @@ PATCH = TARGETS['megatron-core-0.19.2'].patch_path
 PATCH_MODE_TESTS = (
     'tests/test_config_cli.py',
     'tests/test_model_tv.py',
+    'tests/test_main_logits.py',
     'tests/test_hybrid_model.py',
     'tests/test_parallel.py',
     'tests/test_args_forwarding.py',
