@@ -89,11 +89,12 @@ class MainLogitsSlot:
             return None
         self.close()
         self.consumed = True
-        logits, bias = output
+        # Megatron's parallel linear layers return (output, bias); a plain module its output.
+        logits = output[0] if isinstance(output, tuple) else output
         loss = sweep(logits.detach())
         if torch.is_grad_enabled() and loss.requires_grad:
             logits = AttachMTPLoss.apply(logits, loss)
-        return logits, bias
+        return (logits, *output[1:]) if isinstance(output, tuple) else logits
 
     def close(self) -> None:
         if self._handle is not None:

@@ -79,14 +79,11 @@ def run_step(args, log=print) -> List[dict]:
     for G in args.step_depths:
         for s in args.step_seqs:
             reset_mtp_tracker()
-            cases = step_cases(G, s, args.hidden, args.vocab)
-            res = measure(cases, args.repeats, args.warmup)
             extra = {'hidden': args.hidden, 'vocab': args.vocab, 'chunk': 0,
                      'auto_chunk': auto_chunk(s, G, args.hidden, args.vocab),
                      'mode': loss_mode(), 'target_source': tv_target_source()}
-            rows += _rows('step', s, 1, G, res, s, extra)
-            log(f"  step G={G} s={s}: " + ", ".join(f"{k} {v['time']:.3f}s" for k, v in res.items()))
-            del cases, res
+            rows += _measured_rows('step', lambda: step_cases(G, s, args.hidden, args.vocab),
+                                   args, s, G, extra, f"G={G} s={s}", log)
     return rows
 
 
@@ -98,16 +95,25 @@ def run_wide(args, log=print) -> List[dict]:
     for h in args.wide_hidden:
         for s in args.wide_seqs:
             reset_mtp_tracker()
-            # Logits std ~ LOGIT_STD at every h: 0.08 (the 'mtp' rows' scale) would give 5-7 here.
-            cases = mtp_cases(1, s, h, args.wide_vocab, 0, None, 1, 'tv',
-                              weight_scale=LOGIT_STD / h ** 0.5, impls=WIDE_IMPLS)
-            res = measure(cases, args.repeats, args.warmup)
             extra = {'hidden': h, 'vocab': args.wide_vocab, 'chunk': 0,
                      'auto_chunk': auto_chunk(s, 1, h, args.wide_vocab), 'mode': loss_mode()}
-            rows += _rows('wide', s, 1, 1, res, s, extra)
-            log(f"  wide h={h} s={s}: " + ", ".join(f"{k} {v['time']:.3f}s" for k, v in res.items()))
-            del cases, res
+            # Logits std ~ LOGIT_STD at every h: 0.08 (the 'mtp' rows' scale) would give 5-7 here.
+            rows += _measured_rows(
+                'wide', lambda: mtp_cases(1, s, h, args.wide_vocab, 0, None, 1, 'tv',
+                                          weight_scale=LOGIT_STD / h ** 0.5, impls=WIDE_IMPLS),
+                args, s, 1, extra, f"h={h} s={s}", log)
     return rows
+
+
+def _measured_rows(group: str, make_cases, args, s: int, G: int, extra: dict, label: str,
+                   log) -> List[dict]:
+    """Build one shape's cases, measure them and turn them into rows (the cases are dropped
+    before the next shape is built)."""
+    cases = make_cases()
+    res = measure(cases, args.repeats, args.warmup)
+    del cases
+    log(f"  {group} {label}: " + ", ".join(f"{k} {v['time']:.3f}s" for k, v in res.items()))
+    return _rows(group, s, 1, G, res, s, extra)
 
 
 def _tp_worker(rank: int, args_dict: dict) -> List[dict]:
