@@ -58,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument('--tp-timeout', type=float, default=7200.0)
     p.add_argument('--quick', action='store_true', help='tiny shapes, one thread (smoke test)')
     p.add_argument('--json', default=None, help='also write the report as JSON here')
+    p.add_argument('--report', default=None, metavar='JSON',
+                   help='print the report of an earlier run (its --json file) with the current '
+                        'targets, measuring nothing')
     p.add_argument('--label', default='',
                    help='free text for the report header (e.g. which revision of the loss code)')
     args = p.parse_args(argv)
@@ -114,6 +117,8 @@ def _git_head(path: str) -> str:
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.report:
+        return rerender(args.report)
     threads = args.threads or cpu_count()
     torch.set_num_threads(threads)
     command = ' '.join(shlex.quote(a) for a in [sys.executable, 'tools/bench_loss.py', *argv])
@@ -165,4 +170,15 @@ def main(argv=None) -> dict:
     if args.json:
         with open(args.json, 'w') as f:
             json.dump(report, f, indent=1)
+    return report
+
+
+def rerender(path: str) -> dict:
+    """The report of an earlier run, its verdicts taken again with this version's targets (the
+    measured rows are not touched)."""
+    with open(path) as f:
+        report = json.load(f)
+    report['summaries'] = apply_targets(report['rows'], argparse.Namespace(**report['args']))
+    report['floors'] = product_floors(report['rows'])
+    print(render(report), flush=True)
     return report

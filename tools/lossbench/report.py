@@ -19,6 +19,10 @@ STEP_TIME_TARGET = 1.03  # 'step' rows: GPTModel._postprocess with a TV loss vs 
 SAVED_FRACTION_TARGET = 1 / 8  # TV saved bytes per token vs CE's
 TP_RATIO_TARGET = 1.25  # (TV/CE at TP=2) / (TV/CE at TP=1)
 FLAT_HIDDEN_TENSORS = 4  # "flat": peak grows by at most this many [s, b, h] fp32 tensors/token
+#: "Peak at most CE's" allows this much O(1) state (a few scalars: the low-precision gradient
+#: scale, the micro-batch's acceptance statistics waiting for the logging step), never a tensor
+#: that grows with the tokens; tests/test_memory_bound.py holds the loss to the same bound.
+PEAK_SLACK_BYTES = 4096
 
 #: [tokens x h x V/tp] matrix products per head and token in a training step: the logits, the
 #: hidden-state gradient and the weight gradient.
@@ -51,6 +55,11 @@ TARGET_PRODUCTS = {'own projection': 1, 'main logits': 0}
 
 def _verdict(ok: Optional[bool]) -> str:
     return '-' if ok is None else ('PASS' if ok else 'MISS')
+
+
+def _peak_ok(r: dict, ce: dict) -> bool:
+    """Whether row ``r`` peaks at most at its CE row's (up to O(1) state, PEAK_SLACK_BYTES)."""
+    return r['peak_mib'] * MiB <= ce['peak_mib'] * MiB + PEAK_SLACK_BYTES
 
 
 def _mtp_time_target(r: dict):
@@ -104,7 +113,7 @@ def apply_targets(rows: List[dict], args) -> List[dict]:
                 r['target'] = 'reference'
                 continue
             ce = by_key[(r['case'], r['seq'], r['tp'], r['G'], 'ce')]
-            peak_ok = r['peak_mib'] <= ce['peak_mib']
+            peak_ok = _peak_ok(r, ce)
             limit, where = _mtp_time_target(r)
             if limit is None:
                 r['target'] = f"peak <= CE's (time <= {where})"
@@ -115,11 +124,11 @@ def apply_targets(rows: List[dict], args) -> List[dict]:
         elif r['case'] == 'step':
             ce = by_key[(r['case'], r['seq'], r['tp'], r['G'], 'ce')]
             r['target'] = f"time <= {STEP_TIME_TARGET}x, peak <= CE's"
-            r['met'] = r['ratio'] <= STEP_TIME_TARGET and r['peak_mib'] <= ce['peak_mib']
+            r['met'] = r['ratio'] <= STEP_TIME_TARGET and _peak_ok(r, ce)
         elif r['case'] == 'wide':
             ce = by_key[(r['case'], r['seq'], r['tp'], r['G'], 'ce', r['hidden'])]
             r['target'] = "peak <= CE's"
-            r['met'] = r['peak_mib'] <= ce['peak_mib']
+            r['met'] = _peak_ok(r, ce)
         elif r['case'] == 'tp':
             ref = by_key.get(('loss', r['seq'], 1, r['G'], r['impl']))
             r['target'] = f"ratio <= {TP_RATIO_TARGET} x TP1 ratio"
