@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from megatron.mtp_tv.linear_tv import AUTO_CHUNK_MIN_BYTES, auto_chunk_tokens, linear_tv_loss
+from megatron.mtp_tv.linear_tv import (
+    AUTO_CHUNK_MIN_BYTES, AUTO_CHUNK_WEIGHT_GRADS, auto_chunk_tokens, linear_tv_loss,
+)
 from megatron.mtp_tv.losses import EndToEndTVLoss
 from megatron.mtp_tv.row_ops import TorchRowOps
 from tests.reference import depth_alphas, depth_terms, objective, token_weights
@@ -261,9 +263,10 @@ def test_kl_stays_finite_when_the_draft_underflows_and_its_gradient_stays_exact(
 
 def test_auto_chunk_keeps_logits_within_both_bounds():
     V = 32768
-    assert auto_chunk_tokens(4096, 1, 1024, V) == 512  # the weight-gradient bound: 2 x 512 rows <= h
+    assert auto_chunk_tokens(8192, 1, 1024, V) == 1024  # two weight gradients: 2 x 1024 rows <= 2h
+    assert auto_chunk_tokens(4096, 1, 1024, V) == 1024  # and half of CE's 4096 saved softmax rows
     assert auto_chunk_tokens(1024, 1, 1024, V) == 256  # half of CE's 1 x 1024 saved softmax rows
-    assert auto_chunk_tokens(8192, 3, 4096, 151936 // 2) == 1024
+    assert auto_chunk_tokens(8192, 3, 4096, 151936 // 2) == 2048
     assert auto_chunk_tokens(4096, 3, 64, 256) == 1536  # tiny model: the 64 MiB floor, CE bound
     floor_rows = AUTO_CHUNK_MIN_BYTES // 4
     for tokens in (1, 7, 100, 4096, 65536):
@@ -273,5 +276,21 @@ def test_auto_chunk_keeps_logits_within_both_bounds():
                     chunk = auto_chunk_tokens(tokens, depths, hidden, vocab)
                     assert chunk >= 1
                     if chunk > 1:
-                        assert (depths + 1) * chunk * vocab <= max(hidden * vocab, floor_rows)
+                        assert (depths + 1) * chunk * vocab <= max(AUTO_CHUNK_WEIGHT_GRADS * hidden * vocab, floor_rows)
                         assert 2 * (depths + 1) * chunk <= depths * tokens
+
+
+@pytest.mark.parametrize('vocab', [300, 512, 1000, 32768, 32769])
+def test_row_max_argmax_is_torch_max_ties_included(vocab):
+    from megatron.mtp_tv.row_ops import ARGMAX_GROUP, row_max_argmax
+
+    g = torch.Generator().manual_seed(vocab)
+    z = torch.randn(6, vocab, generator=g)
+    z[1] = z[1].round()  # many ties: the lowest index wins, across and inside groups
+    z[2, -1] = z[2].max() + 1.0  # the max in the columns past the last whole group
+    z[3, -1] = z[3].max()  # a tie between those columns and the groups: the group wins
+    z[4, ARGMAX_GROUP - 1 : ARGMAX_GROUP + 1] = z[4].max() + 1.0  # a tie across two groups
+    best, index = torch.empty(6), torch.empty(6, dtype=torch.long)
+    row_max_argmax(z, best, index)
+    expected = torch.max(z, dim=-1)
+    assert torch.equal(best, expected.values) and torch.equal(index, expected.indices)

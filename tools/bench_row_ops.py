@@ -1,0 +1,115 @@
+"""Times the torch row passes of one chunk of the sweep (CPU, fp32): the settings they rest on.
+
+The fused TV sweep spends its time outside the matrix products in ``TorchRowOps`` (the CPU
+path): ``normalise_`` of the target and draft rows (with the argmax the greedy-agreement metric
+needs) and ``pair_sums`` writing the one-pass TV gradient. Two choices there are measured here,
+each beside its alternatives in the same run (median of repeats, ratios to the first row):
+
+* ``block``: ``TorchRowOps.BLOCK_ELEMENTS``, the values per row block of every pass;
+* ``argmax``: :func:`megatron.mtp_tv.row_ops.row_max_argmax` against ``torch.max(z, -1)`` and
+  ``torch.amax`` (no index: the floor).
+
+    .venv/bin/python tools/bench_row_ops.py                 # one 1024-token chunk of V 32k
+    .venv/bin/python tools/bench_row_ops.py --tokens 512 --vocab 151936 --repeats 7
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.mtp_tv import row_ops  # noqa: E402
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up: allocations, scratch buffers
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_blocks(tokens: int, vocab: int, exponents, repeats: int):
+    """One chunk's row passes (``'tv'``, one depth, metrics on) per ``BLOCK_ELEMENTS``."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2 * tokens, vocab, generator=g) * 2.5  # target rows, then draft rows
+    z = torch.empty_like(logits)
+    weights = torch.full((tokens,), 1.0 / tokens)
+
+    def chunk():
+        z.copy_(logits)  # the projection's output, the same in every row
+        ops = row_ops.TorchRowOps()
+        probs, _ = ops.normalise_(z, None, vocab_start=0)
+        ops.pair_sums(probs[:tokens], probs[tokens:], dot=True,
+                      coefficients=lambda rows, overlap: (weights[rows], None))
+
+    default = row_ops.TorchRowOps.BLOCK_ELEMENTS
+    rows = []
+    try:
+        for exponent in exponents:
+            row_ops.TorchRowOps.BLOCK_ELEMENTS = 1 << exponent
+            rows.append((f'2^{exponent}' + (' (default)' if 1 << exponent == default else ''),
+                         _median_time(chunk, repeats)))
+    finally:
+        row_ops.TorchRowOps.BLOCK_ELEMENTS = default
+    return rows
+
+
+def time_argmax(tokens: int, vocab: int, repeats: int):
+    """Row max with index over ``2 * tokens`` rows, block by block as ``normalise_`` runs it."""
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(2 * tokens, vocab, generator=g) * 2.5
+    step = max(1, row_ops.TorchRowOps.BLOCK_ELEMENTS // vocab)
+    best, index = torch.empty(2 * tokens), torch.empty(2 * tokens, dtype=torch.long)
+
+    def blocked(op):
+        def run():
+            for start in range(0, z.shape[0], step):
+                rows = slice(start, start + step)
+                op(z[rows], best[rows], index[rows])
+        return run
+
+    variants = [
+        ('torch.max(z, -1)', lambda zb, b, i: torch.max(zb, dim=-1, out=(b, i))),
+        ('row_max_argmax', row_ops.row_max_argmax),
+        ('torch.amax (no index)', lambda zb, b, i: torch.amax(zb, dim=-1, out=b)),
+    ]
+    return [(name, _median_time(blocked(op), repeats)) for name, op in variants]
+
+
+def _table(title: str, rows) -> str:
+    base = rows[0][1]
+    lines = [f'| {title} | time (ms) | ratio |', '|---|---|---|']
+    lines += [f'| {name} | {t * 1e3:.1f} | {t / base:.2f}x |' for name, t in rows]
+    return '\n'.join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--tokens', type=int, default=1024, help='tokens of the chunk')
+    parser.add_argument('--vocab', type=int, default=32768, help='V/tp')
+    parser.add_argument('--repeats', type=int, default=5)
+    parser.add_argument('--blocks', default='16,17,18,19,20,21',
+                        help='BLOCK_ELEMENTS exponents to time')
+    parser.add_argument('--threads', type=int, default=0, help='torch threads (0: all cores)')
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    exponents = [int(e) for e in args.blocks.split(',')]
+    print(f'command: {" ".join([sys.executable, "tools/bench_row_ops.py", *(argv or sys.argv[1:])])}')
+    print(f'torch {torch.__version__}, {torch.get_num_threads()} threads, chunk of {args.tokens} '
+          f'tokens (2 x {args.tokens} rows of V/tp {args.vocab}), median of {args.repeats}\n')
+    print(_table('BLOCK_ELEMENTS: normalise_ + pair_sums', time_blocks(args.tokens, args.vocab, exponents, args.repeats)))
+    print()
+    print(_table('row max with index', time_argmax(args.tokens, args.vocab, args.repeats)))
+
+
+if __name__ == '__main__':
+    main()
