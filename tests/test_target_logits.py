@@ -34,17 +34,19 @@ def _grads(out, draft, weight):
 @pytest.mark.parametrize('chunk', [0, 1, 5])
 @pytest.mark.parametrize('storage', ['dense', 'logit_grads'])
 @pytest.mark.parametrize('given', ['hidden', 'logits'])
-def test_target_logits_and_stored_logit_grads_match_reference(loss_type, G, chunk, storage, given):
+@pytest.mark.parametrize('scaling', ['mup', 'temperature', 'none'])
+def test_target_logits_and_stored_logit_grads_match_reference(loss_type, G, chunk, storage, given, scaling):
     draft, target, weight, masks = _inputs(G)
-    logits_fn = lambda z: 0.7 * z  # noqa: E731  (MuP-like: applied to the given logits too)
+    logits_fn = (lambda z: 0.7 * z) if scaling == 'mup' else None  # noqa: E731  (applied to the given logits too)
+    temperature = 1.0 if scaling == 'none' else 0.8
     kwargs = dict(target_logits=target @ weight.detach().t()) if given == 'logits' else {}
     out = linear_tv_loss(
         draft, None if given == 'logits' else target, weight, token_weights(loss_type, masks),
         loss_type=loss_type, chunk_size=chunk, grad_storage=storage, logits_fn=logits_fn,
-        temperature=0.8, **kwargs,
+        temperature=temperature, **kwargs,
     )
     got = _grads(out, draft, weight)
-    alpha, kl = depth_terms(target, list(draft), weight, logits_fn=logits_fn, temperature=0.8)
+    alpha, kl = depth_terms(target, list(draft), weight, logits_fn=logits_fn, temperature=temperature)
     ref = objective(loss_type, alpha, kl, masks, 0.3)
     ref.backward()
     torch.testing.assert_close(out.loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)

@@ -111,18 +111,28 @@ class TVLossResult(NamedTuple):
 #: this, more chunks only add per-chunk overhead (and the bound against the CE path still holds).
 AUTO_CHUNK_MIN_BYTES = 64 * 2**20
 
+#: Live fp32 logits the automatic chunk may use, in units of the fp32 ``[V/tp, h]`` weight
+#: gradient the fused path holds anyway. Two, not one: a chunk's projection is one
+#: ``[rows, h] x [h, V/tp]`` product, and one weight gradient's worth of rows (``h / (G + 1)``
+#: tokens) makes it short and wide enough to run measurably slower than the full-size product of
+#: the cross-entropy path (the ``mtp`` rows of ``tools/bench_loss.py`` show both chunks).
+AUTO_CHUNK_WEIGHT_GRADS = 2
+
 
 def auto_chunk_tokens(num_tokens: int, depths: int, hidden: int, vocab_local: int) -> int:
     """The chunk :func:`linear_tv_loss` uses for ``chunk_size=0``, in tokens.
 
     Live fp32 logits of a chunk are ``(depths + 1) * chunk`` rows of ``vocab_local`` (= V/tp).
-    The rule keeps them at most the larger of the ``[V/tp, hidden]`` fp32 weight gradient the
-    fused path holds anyway and :data:`AUTO_CHUNK_MIN_BYTES` (64 MiB), and at most half of the
-    ``depths * num_tokens`` rows of softmax that Megatron's cross-entropy path saves for the same
-    tokens (``chunk <= depths * num_tokens / (2 (depths + 1))``), so the loss never peaks above
-    that path at any sequence length.
+    The rule keeps them at most the larger of :data:`AUTO_CHUNK_WEIGHT_GRADS` (2) times the
+    ``[V/tp, hidden]`` fp32 weight gradient the fused path holds anyway and
+    :data:`AUTO_CHUNK_MIN_BYTES` (64 MiB), and at most half of the ``depths * num_tokens`` rows
+    of softmax that Megatron's cross-entropy path saves for the same tokens
+    (``chunk <= depths * num_tokens / (2 (depths + 1))``), so the loss never peaks above that
+    path at any sequence length.
     """
-    budget_rows = max(hidden, AUTO_CHUNK_MIN_BYTES // (4 * max(1, vocab_local)))
+    budget_rows = max(
+        AUTO_CHUNK_WEIGHT_GRADS * hidden, AUTO_CHUNK_MIN_BYTES // (4 * max(1, vocab_local))
+    )
     per_budget = budget_rows // (depths + 1)
     per_ce = depths * num_tokens // (2 * (depths + 1))
     return max(1, min(per_budget, per_ce))
