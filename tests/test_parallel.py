@@ -39,8 +39,12 @@ def _model_worker(rank, loss_type, depth, tie, sequence_parallel):
         tie_embeddings=tie, sequence_parallel=sequence_parallel, mtp_loss_type=loss_type,
         mtp_tv_chunk=5, mtp_loss_scaling_factor=FACTOR,
     )
+    from megatron.mtp_tv import mtp_loss
     from megatron.mtp_tv.main_logits import MAIN_LOGITS_ENV
 
+    gathers = []  # the loss's own sequence-parallel all-gathers (draft, and target if needed)
+    gather = mtp_loss.gather_from_sequence_parallel_region
+    mtp_loss.gather_from_sequence_parallel_region = lambda *a, **k: gathers.append(1) or gather(*a, **k)
     tokens, labels, mask = _batch()
     runs = []
     # The default (fused, target from the main logits), the fused path projecting its own target,
@@ -51,7 +55,10 @@ def _model_worker(rank, loss_type, depth, tie, sequence_parallel):
         for param in model.parameters():
             param.grad = None
         MTPLossLoggingHelper.tracker.clear()
+        gathers.clear()
         loss = forward_loss(model, tokens, labels, mask)
+        if sequence_parallel:  # the target from the main logits needs no gathered hidden states
+            assert len(gathers) == (1 if (fused, main_logits) == ('1', '1') else 2), gathers
         ((loss * mask).sum() / mask.sum()).backward()
         if sequence_parallel:
             allreduce_sequence_parallel_grads(model)
@@ -59,6 +66,7 @@ def _model_worker(rank, loss_type, depth, tie, sequence_parallel):
         metrics = {k: float(v) for k, v in acceptance_metrics().items()}
         runs.append((gather_tp_params(model), logged, metrics))
     del os.environ[MAIN_LOGITS_ENV]
+    mtp_loss.gather_from_sequence_parallel_region = gather
     return runs
 
 

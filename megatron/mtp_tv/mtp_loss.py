@@ -26,7 +26,7 @@ from megatron.core.transformer import multi_token_prediction as _mtp
 from .alignment import CP_LAYOUTS, target_segments
 from .bridge import check_megatron_args
 from .config import is_cross_entropy, validate_mtp_loss_config
-from .linear_tv import linear_tv_loss
+from .linear_tv import TargetSegment, linear_tv_loss
 from .losses import LOSSES
 from .main_logits import open_slot
 from .metrics import save_acceptance_to_tracker
@@ -208,6 +208,18 @@ def process_mtp_tv_loss(
             norm = norm * original_num_tokens
         token_weights = (chains * norm).transpose(0, 1)  # [s, b]
 
+    # Where GPTModel._postprocess projects the main head next (megatron.mtp_tv.main_logits),
+    # the sweep runs on those logits: the target is not projected twice. Not for the metrics
+    # pass (it runs under no_grad here, the main projection with gradients), nor in recompute
+    # mode (the logits would be kept for backward, and Megatron's CE overwrites them in place).
+    fused = os.environ.get(FUSED_ENV, '1') != '0'
+    slot = None
+    if main_logits is None and fused and not metrics_only:
+        slot = open_slot(output_layer)
+    # The target's hidden states serve the own projection and the context-parallel halos (rows
+    # of another rank, projected here); from the main logits without CP they are not gathered.
+    needs_target_hidden = (main_logits is None and slot is None) or group_size(cp_group) > 1
+
     # Inputs in the layout the vocab-sharded projection needs, with Megatron's own TP mappings
     # (their backward is the all-reduce / reduce-scatter a column-parallel layer would do).
     # draft: [D*s', b, h], one block per depth
@@ -218,15 +230,17 @@ def process_mtp_tv_loss(
         s_local = main_hidden.shape[0]
         draft = draft.view(tp, depth, s_local, *draft.shape[1:]).transpose(0, 1)
         draft = draft.reshape(depth, tp * s_local, *draft.shape[3:])
-        target = gather_from_sequence_parallel_region(target, True, tp_group)
+        target = gather_from_sequence_parallel_region(target, True, tp_group) if needs_target_hidden else None
     else:
         if tp > 1:
             draft = copy_to_tensor_model_parallel_region(draft, tp_group)
         draft = draft.view(depth, main_hidden.shape[0], *draft.shape[1:])
 
     cu_seqlens = packed_seq_params.cu_seqlens_q.tolist() if packed_seq_params is not None else None
-    segments = target_segments(target, depth, cp_group, cu_seqlens, cp_layout)
-    fused = os.environ.get(FUSED_ENV, '1') != '0'
+    if target is None:  # no CP: one segment over the (gathered) sequence
+        segments = [TargetSegment(0, draft.shape[1])]
+    else:
+        segments = target_segments(target, depth, cp_group, cu_seqlens, cp_layout)
     stacked_labels = torch.stack(depth_labels).transpose(1, 2) if is_training else None
 
     def sweep(main_logits: Optional[Tensor] = None) -> Tensor:
@@ -262,14 +276,9 @@ def process_mtp_tv_loss(
             )
         return result.loss
 
-    # Where GPTModel._postprocess projects the main head next (megatron.mtp_tv.main_logits),
-    # the sweep runs on those logits: the target is not projected twice. Not for the metrics
-    # pass (it runs under no_grad here, the main projection with gradients), nor in recompute
-    # mode (the logits would be kept for backward, and Megatron's CE overwrites them in place).
     if main_logits is not None:
         loss = sweep(main_logits.detach())
         return main_hidden if metrics_only else _mtp.MTPLossAutoScaler.apply(main_hidden, loss)
-    slot = open_slot(output_layer) if fused and not metrics_only else None
     if slot is not None:
         slot.defer(main_hidden, sweep)
         return main_hidden
