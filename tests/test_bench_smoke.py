@@ -293,3 +293,23 @@ def test_report_option_rerenders_a_saved_run_without_measuring(quick_report, tmp
         assert f"| {r['time_s']:.3f} |" in proc.stdout
     met = [line for line in stdout.splitlines() if line.startswith('targets met:')]
     assert met and met[-1] in proc.stdout  # the same targets as the run's: the same verdicts
+
+
+def test_row_ops_benchmark_times_each_choice_beside_its_alternatives(capsys):
+    spec = importlib.util.spec_from_file_location('bench_row_ops', os.path.join(TOOLS, 'bench_row_ops.py'))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from megatron.mtp_tv.row_ops import TorchRowOps
+
+    default = TorchRowOps.BLOCK_ELEMENTS
+    bench.main(['--tokens', '8', '--vocab', '1024', '--repeats', '1', '--blocks', '10,12'])
+    rows = bench.time_mtp_path(16, 1, hidden=32, vocab=256, chunk=4)
+    assert [name for name, _ in rows] == ["'ce'", "'tv'", "'tv', earlier row passes"]
+    out = capsys.readouterr().out
+    from megatron.mtp_tv import row_ops
+
+    assert TorchRowOps.BLOCK_ELEMENTS == default  # restored after timing the candidates
+    assert row_ops.row_max_argmax.__module__ == 'megatron.mtp_tv.row_ops'
+    assert '| 2^10 | ' in out and '| 2^12 | ' in out
+    for variant in ('torch.max(z, -1)', 'row_max_argmax', 'torch.amax (no index)'):
+        assert f'| {variant} | ' in out

@@ -9,8 +9,14 @@ each beside its alternatives in the same run (median of repeats, ratios to the f
 * ``argmax``: :func:`megatron.mtp_tv.row_ops.row_max_argmax` against ``torch.max(z, -1)`` and
   ``torch.amax`` (no index: the floor).
 
+With ``--mtp-tokens N`` it also runs Megatron's MTP path (the benchmark's ``mtp`` case: hidden
+1024, V 32k, one depth, ``'tv'`` at chunk 512, target from the main logits) end to end, ``'ce'``
+and ``'tv'`` with these defaults and ``'tv'`` with the earlier ones (2^18-value blocks,
+``torch.max``), interleaved in one process, the ratio of medians to ``'ce'``.
+
     .venv/bin/python tools/bench_row_ops.py                 # one 1024-token chunk of V 32k
     .venv/bin/python tools/bench_row_ops.py --tokens 512 --vocab 151936 --repeats 7
+    .venv/bin/python tools/bench_row_ops.py --mtp-tokens 8192 --repeats 3
 """
 
 import argparse
@@ -84,6 +90,43 @@ def time_argmax(tokens: int, vocab: int, repeats: int):
     return [(name, _median_time(blocked(op), repeats)) for name, op in variants]
 
 
+#: The row-pass settings before 8cc12a1, for the end-to-end comparison.
+EARLIER_BLOCK_ELEMENTS = 1 << 18
+
+
+def _earlier_argmax(z, out_max, out_argmax):
+    torch.max(z, dim=-1, out=(out_max, out_argmax))
+
+
+def time_mtp_path(tokens: int, repeats: int, hidden: int = 1024, vocab: int = 32768, chunk: int = 512):
+    """``'ce'`` and ``'tv'`` (current and earlier row passes) on the MTP path, interleaved."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from lossbench.cases import mtp_cases
+    from megatron.mtp_tv.testing.distributed import reset_mtp_tracker, single_process
+
+    current = (row_ops.TorchRowOps.BLOCK_ELEMENTS, row_ops.row_max_argmax)
+    settings = {"'ce'": None, "'tv'": current,
+                "'tv', earlier row passes": (EARLIER_BLOCK_ELEMENTS, _earlier_argmax)}
+    times = {name: [] for name in settings}
+    try:
+        with single_process():
+            reset_mtp_tracker()
+            cases = mtp_cases(1, tokens, hidden, vocab, chunk, None, 1, 'tv', impls=['ce', 'tv'])
+            for repeat in range(repeats + 1):  # the first round warms up
+                for name, setting in settings.items():
+                    case = cases['ce' if setting is None else 'tv']
+                    if setting is not None:
+                        row_ops.TorchRowOps.BLOCK_ELEMENTS, row_ops.row_max_argmax = setting
+                    case.reset()
+                    start = time.perf_counter()
+                    case.step()
+                    if repeat:
+                        times[name].append(time.perf_counter() - start)
+    finally:
+        row_ops.TorchRowOps.BLOCK_ELEMENTS, row_ops.row_max_argmax = current
+    return [(name, statistics.median(t)) for name, t in times.items()]
+
+
 def _table(title: str, rows) -> str:
     base = rows[0][1]
     lines = [f'| {title} | time (ms) | ratio |', '|---|---|---|']
@@ -99,6 +142,8 @@ def main(argv=None):
     parser.add_argument('--blocks', default='16,17,18,19,20,21',
                         help='BLOCK_ELEMENTS exponents to time')
     parser.add_argument('--threads', type=int, default=0, help='torch threads (0: all cores)')
+    parser.add_argument('--mtp-tokens', type=int, default=0,
+                        help="also time the MTP path end to end at this many tokens (0: no)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,6 +154,9 @@ def main(argv=None):
     print(_table('BLOCK_ELEMENTS: normalise_ + pair_sums', time_blocks(args.tokens, args.vocab, exponents, args.repeats)))
     print()
     print(_table('row max with index', time_argmax(args.tokens, args.vocab, args.repeats)))
+    if args.mtp_tokens:
+        print()
+        print(_table(f'MTP path, {args.mtp_tokens} tokens, chunk 512', time_mtp_path(args.mtp_tokens, args.repeats)))
 
 
 if __name__ == '__main__':
