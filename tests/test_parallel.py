@@ -6,6 +6,7 @@ independent full-sequence reference in ``tests.reference``. Every worker also re
 ``MEGATRON_MTP_TV_FUSED=0`` (the recompute path), which must give the same numbers (up to the order of summation).
 """
 
+import importlib
 import os
 
 import pytest
@@ -39,12 +40,21 @@ def _model_worker(rank, loss_type, depth, tie, sequence_parallel):
         tie_embeddings=tie, sequence_parallel=sequence_parallel, mtp_loss_type=loss_type,
         mtp_tv_chunk=5, mtp_loss_scaling_factor=FACTOR,
     )
-    from megatron.mtp_tv import mtp_loss
     from megatron.mtp_tv.main_logits import MAIN_LOGITS_ENV
 
-    gathers = []  # the loss's own sequence-parallel all-gathers (draft, and target if needed)
-    gather = mtp_loss.gather_from_sequence_parallel_region
-    mtp_loss.gather_from_sequence_parallel_region = lambda *a, **k: gathers.append(1) or gather(*a, **k)
+    # The loss's own sequence-parallel all-gathers (draft, and target if needed), counted in
+    # whichever copy of the loss the model runs: this checkout's, or a patched tree's own.
+    gathers, originals = [], {}
+    for name in ('megatron.mtp_tv.mtp_loss', 'megatron.core.transformer.mtp_tv.mtp_loss'):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if module not in originals:
+            originals[module] = gather = module.gather_from_sequence_parallel_region
+            module.gather_from_sequence_parallel_region = (
+                lambda *a, _gather=gather, **k: gathers.append(1) or _gather(*a, **k)
+            )
     tokens, labels, mask = _batch()
     runs = []
     # The default (fused, target from the main logits), the fused path projecting its own target,
@@ -66,7 +76,8 @@ def _model_worker(rank, loss_type, depth, tie, sequence_parallel):
         metrics = {k: float(v) for k, v in acceptance_metrics().items()}
         runs.append((gather_tp_params(model), logged, metrics))
     del os.environ[MAIN_LOGITS_ENV]
-    mtp_loss.gather_from_sequence_parallel_region = gather
+    for module, gather in originals.items():
+        module.gather_from_sequence_parallel_region = gather
     return runs
 
 
