@@ -110,7 +110,7 @@ class TorchRowOps:
     #: Values per row block: small enough that a block of the 2-4 operands stays in cache,
     #: large enough that Python dispatch (a few microseconds per op) stays negligible
     #: (``tools/bench_row_ops.py`` times the candidates: 2^19 and 2^20 are the fastest on a
-    #: 2-core EPYC, 10% ahead of 2^18).
+    #: 2-core EPYC, 15-20% ahead of 2^18).
     BLOCK_ELEMENTS = 1 << 19
 
     def __init__(self):
