@@ -303,8 +303,13 @@ def test_row_ops_benchmark_times_each_choice_beside_its_alternatives(capsys):
 
     default = TorchRowOps.BLOCK_ELEMENTS
     bench.main(['--tokens', '8', '--vocab', '1024', '--repeats', '1', '--blocks', '10,12'])
-    rows = bench.time_mtp_path(16, 1, hidden=32, vocab=256, chunk=4)
+    rows, profiles = bench.time_mtp_path(16, 1, hidden=32, vocab=256, chunk=4, profile=True)
     assert [name for name, _ in rows] == ["'ce'", "'tv'", "'tv', earlier row passes"]
+    for case in ('ce', 'tv'):  # every case multiplies matrices; the rows add up to the total
+        seconds = profiles[case]
+        assert seconds['matrix products'] > 0
+        parts = sum(v for k, v in seconds.items() if k != 'total')
+        assert abs(parts - seconds['total']) <= 1e-9 + 1e-6 * seconds['total']
     out = capsys.readouterr().out
     from megatron.mtp_tv import row_ops
 

@@ -10,13 +10,17 @@ each beside its alternatives in the same run (median of repeats, ratios to the f
   ``torch.amax`` (no index: the floor).
 
 With ``--mtp-tokens N`` it also runs Megatron's MTP path (the benchmark's ``mtp`` case: hidden
-1024, V 32k, one depth, ``'tv'`` at chunk 512, target from the main logits) end to end, ``'ce'``
-and ``'tv'`` with these defaults and ``'tv'`` with the earlier ones (2^18-value blocks,
-``torch.max``), interleaved in one process, the ratio of medians to ``'ce'``.
+1024, V 32k, one depth, ``'tv'`` at chunk ``--mtp-chunk``, default 512, target from the main
+logits) end to end, ``'ce'`` and ``'tv'`` with these defaults and ``'tv'`` with the earlier ones
+(2^18-value blocks, ``torch.max``), interleaved in one process, the ratio of medians to
+``'ce'``; ``--profile`` then profiles one more ``'ce'`` and ``'tv'`` step and prints their self
+CPU time side by side: matrix products, row max / argmax, everything else.
 
     .venv/bin/python tools/bench_row_ops.py                 # one 1024-token chunk of V 32k
     .venv/bin/python tools/bench_row_ops.py --tokens 512 --vocab 151936 --repeats 7
     .venv/bin/python tools/bench_row_ops.py --mtp-tokens 8192 --repeats 3
+    .venv/bin/python tools/bench_row_ops.py --mtp-tokens 4096 --repeats 3 --profile
+    .venv/bin/python tools/bench_row_ops.py --mtp-tokens 4096 --repeats 3 --profile --mtp-chunk 1024
 """
 
 import argparse
@@ -98,8 +102,41 @@ def _earlier_argmax(z, out_max, out_argmax):
     torch.max(z, dim=-1, out=(out_max, out_argmax))
 
 
-def time_mtp_path(tokens: int, repeats: int, hidden: int = 1024, vocab: int = 32768, chunk: int = 512):
-    """``'ce'`` and ``'tv'`` (current and earlier row passes) on the MTP path, interleaved."""
+#: ``torch.profiler`` op names per row of the ``--profile`` table (self CPU time; the rest is
+#: "everything else": the row passes, copies, collectives, Python).
+PROFILE_GROUPS = {
+    'matrix products': ('aten::mm', 'aten::addmm', 'aten::addmm_', 'aten::bmm'),
+    'row max / argmax': ('aten::max', 'aten::amax', 'aten::argmax'),
+}
+
+
+def profile_step(case) -> dict:
+    """Self CPU seconds of one ``case.step()`` per :data:`PROFILE_GROUPS` row, and in all."""
+    from torch.profiler import ProfilerActivity, profile
+
+    case.reset()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        case.step()
+    case.reset()
+    seconds = {group: 0.0 for group in PROFILE_GROUPS}
+    total = 0.0
+    for event in prof.key_averages():
+        total += event.self_cpu_time_total / 1e6
+        for group, names in PROFILE_GROUPS.items():
+            if event.key in names:
+                seconds[group] += event.self_cpu_time_total / 1e6
+    seconds['everything else'] = total - sum(seconds.values())
+    seconds['total'] = total
+    return seconds
+
+
+def time_mtp_path(tokens: int, repeats: int, hidden: int = 1024, vocab: int = 32768, chunk: int = 512,
+                  profile: bool = False):
+    """``'ce'`` and ``'tv'`` (current and earlier row passes) on the MTP path, interleaved.
+
+    Returns ``(rows, profiles)``: the median time per setting, and with ``profile`` the
+    :func:`profile_step` of one more ``'ce'`` and ``'tv'`` step each (else None).
+    """
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from lossbench.cases import mtp_cases
     from megatron.mtp_tv.testing.distributed import reset_mtp_tracker, single_process
@@ -122,15 +159,25 @@ def time_mtp_path(tokens: int, repeats: int, hidden: int = 1024, vocab: int = 32
                     case.step()
                     if repeat:
                         times[name].append(time.perf_counter() - start)
+            row_ops.TorchRowOps.BLOCK_ELEMENTS, row_ops.row_max_argmax = current
+            profiles = {name: profile_step(cases[name]) for name in ('ce', 'tv')} if profile else None
     finally:
         row_ops.TorchRowOps.BLOCK_ELEMENTS, row_ops.row_max_argmax = current
-    return [(name, statistics.median(t)) for name, t in times.items()]
+    return [(name, statistics.median(t)) for name, t in times.items()], profiles
 
 
 def _table(title: str, rows) -> str:
     base = rows[0][1]
     lines = [f'| {title} | time (ms) | ratio |', '|---|---|---|']
     lines += [f'| {name} | {t * 1e3:.1f} | {t / base:.2f}x |' for name, t in rows]
+    return '\n'.join(lines)
+
+
+def _profile_table(title: str, profiles: dict) -> str:
+    lines = [f"| {title} | 'ce' (ms) | 'tv' (ms) | 'tv' - 'ce' (ms) |", '|---|---|---|---|']
+    for group in profiles['ce']:
+        ce, tv = profiles['ce'][group] * 1e3, profiles['tv'][group] * 1e3
+        lines.append(f'| {group} | {ce:.0f} | {tv:.0f} | {tv - ce:+.0f} |')
     return '\n'.join(lines)
 
 
@@ -144,6 +191,10 @@ def main(argv=None):
     parser.add_argument('--threads', type=int, default=0, help='torch threads (0: all cores)')
     parser.add_argument('--mtp-tokens', type=int, default=0,
                         help="also time the MTP path end to end at this many tokens (0: no)")
+    parser.add_argument('--mtp-chunk', type=int, default=512, help="with --mtp-tokens: 'tv''s mtp_tv_chunk")
+    parser.add_argument('--profile', action='store_true',
+                        help="with --mtp-tokens: also profile one 'ce' and one 'tv' step and "
+                             "print where their self CPU time goes")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -156,7 +207,13 @@ def main(argv=None):
     print(_table('row max with index', time_argmax(args.tokens, args.vocab, args.repeats)))
     if args.mtp_tokens:
         print()
-        print(_table(f'MTP path, {args.mtp_tokens} tokens, chunk 512', time_mtp_path(args.mtp_tokens, args.repeats)))
+        rows, profiles = time_mtp_path(args.mtp_tokens, args.repeats, chunk=args.mtp_chunk, profile=args.profile)
+        print(_table(f'MTP path, {args.mtp_tokens} tokens, chunk {args.mtp_chunk}', rows))
+        if profiles:
+            print()
+            print(_profile_table(f'one step, {args.mtp_tokens} tokens, self CPU time', profiles))
+    elif args.profile:
+        parser.error('--profile needs --mtp-tokens')
 
 
 if __name__ == '__main__':
