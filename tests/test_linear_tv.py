@@ -294,3 +294,27 @@ def test_row_max_argmax_is_torch_max_ties_included(vocab):
     row_max_argmax(z, best, index)
     expected = torch.max(z, dim=-1)
     assert torch.equal(best, expected.values) and torch.equal(index, expected.indices)
+
+
+@pytest.mark.parametrize('vocab', [7, 4096, 32769])
+def test_single_shard_normalise_is_the_softmax_written_over_its_input(vocab):
+    """The single-shard probabilities are written over the logits and held to the float64
+    softmax at 4e-6 (relative), with the row max and argmax beside them, on rows far from zero
+    and a one-hot row. ATen's fused float32 softmax misses this bound at V 32k (7e-6: its
+    lane-wise sum), which is why ``normalise_`` does not use it."""
+    g = torch.Generator().manual_seed(vocab)
+    # 40 rows: several of TorchRowOps' blocks at the small vocabularies, one at the largest.
+    z = torch.randn(40, vocab, generator=g, dtype=torch.float64) * 4.0
+    z[1] += 80.0  # exp would overflow without the max shift
+    z[2] -= 300.0
+    z[3, vocab // 2] = 200.0  # a numerically one-hot row
+    logits = z.float()
+    expected = torch.softmax(logits.double(), dim=-1)
+    ops = TorchRowOps()
+    work = logits.clone()
+    probs, stats = ops.normalise_(work, None, vocab_start=5)
+    assert probs.data_ptr() == work.data_ptr()  # in place: no [n, V] allocation
+    torch.testing.assert_close(probs.double(), expected, rtol=4e-6, atol=1e-30)
+    torch.testing.assert_close(probs.double().sum(-1), torch.ones(40, dtype=torch.float64), rtol=0, atol=4e-6)
+    max_, argmax = torch.max(logits, dim=-1)
+    assert torch.equal(stats.max, max_) and torch.equal(stats.argmax, argmax + 5)
