@@ -33,10 +33,12 @@ def _reference(loss_type, draft, target, weight, masks, scale=0.3, logits_fn=Non
 @pytest.mark.parametrize('G', [1, 2, 3])
 @pytest.mark.parametrize('chunk', [0, 1, 5, 100])  # one chunk, 1 token, non-divisor, > tokens
 @pytest.mark.parametrize('fused', [True, False])
-def test_matches_reference(loss_type, G, chunk, fused):
-    draft, target, weight, masks = _inputs(G)
+# float32 weights take every depth of a chunk through one product; other dtypes go depth by depth.
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_matches_reference(loss_type, G, chunk, fused, dtype):
+    draft, target, weight, masks = _inputs(G, dtype=dtype)
     out = linear_tv_loss(
-        draft, target, weight, token_weights(loss_type, masks), loss_type=loss_type,
+        draft, target, weight, token_weights(loss_type, masks).to(dtype), loss_type=loss_type,
         chunk_size=chunk, fused=fused,
     )
     out.loss.backward()

@@ -466,7 +466,6 @@ def _sweep(draft_hidden, weight, target, token_weights, plan: _Plan, draft_grad,
             if ops is None:
                 ops, _ = select_row_ops(z)
             draft_rows = [slice(n_t + k * n, n_t + (k + 1) * n) for k in range(G)]
-            draft_inputs = [inputs[k * n : (k + 1) * n] for k in range(G)]
             if labels is not None:
                 chunk_labels = labels[:, rows].reshape(G, n)
                 hits = [_label_logit(z[draft_rows[k]], chunk_labels[k], vocab_start, vocab_stop) for k in range(G)]
@@ -509,34 +508,52 @@ def _sweep(draft_hidden, weight, target, token_weights, plan: _Plan, draft_grad,
             per_depth[:, rows] = terms.per_depth.view(G, stop - start, b)
             if not want_grad:
                 continue
-            for k, (p, q) in enumerate(pairs):
-                if one_pass_grad:
-                    g = ops.written_grad(q)
-                else:
+            if not one_pass_grad:
+                for k, (p, q) in enumerate(pairs):
                     tv_coef, kl_coef = _scaled(
                         (terms.tv_coef[k] if terms.tv_coef is not None else None,
                          terms.kl_coef[k] if terms.kl_coef is not None else None),
                         coef_scale,
                     )
-                    g = ops.grad_(p, q, dots[k] if dots is not None else None, tv_coef, kl_coef)
-                if plan.logits_fn is not None:  # chain rule through the logit scaling function
-                    with torch.enable_grad():
-                        leaf = raw[draft_rows[k]].detach().requires_grad_()
-                        (g,) = torch.autograd.grad(plan.logits_fn(leaf).float(), leaf, g)
-                if logit_grads is not None:  # rounded to the weight's dtype as it is stored
-                    logit_grads[k, rows].view(n, -1).copy_(g)
-                    continue
-                g = g.to(weight.dtype)  # bf16/fp16 weights: low-precision operands, fp32 sums
+                    ops.grad_(p, q, dots[k] if dots is not None else None, tv_coef, kl_coef)
+            # Every depth's logit gradient now lies over its draft rows: one [G*n, V/tp] block.
+            g = ops.written_grad(ops.rows(probs, n_t, n_t + G * n))
+            if plan.logits_fn is not None:  # chain rule through the logit scaling function
+                with torch.enable_grad():
+                    leaf = raw[n_t:].detach().requires_grad_()
+                    (g,) = torch.autograd.grad(plan.logits_fn(leaf).float(), leaf, g)
+            if logit_grads is not None:  # rounded to the weight's dtype as it is stored
+                logit_grads[:, rows].copy_(g.reshape(G, stop - start, b, -1))
+                continue
+            # fp32 weights: all depths in one product each, so the [V/tp, h] weight gradient is
+            # read and written once per chunk, not G times. bf16/fp16 weights go depth by depth:
+            # all depths at once would need a [G*n, V/tp] copy in the weight's dtype.
+            depth_blocks = [slice(0, G)] if not products.low_precision else [slice(k, k + 1) for k in range(G)]
+            for depths in depth_blocks:
+                rows_k = slice(depths.start * n, depths.stop * n)
+                g_k = g[rows_k].to(weight.dtype)  # bf16/fp16 weights: low-precision operands, fp32 sums
                 if grad_draft is not None:
-                    products.input_grad(g, grad_draft[k, rows].view(n, h))
+                    _input_grad_into(products, g_k, grad_draft[depths, rows], scratch)
                 if grad_weight is not None:
-                    products.weight_grad(grad_weight, g, draft_inputs[k], weight_grad_started)
+                    products.weight_grad(grad_weight, g_k, inputs[rows_k], weight_grad_started)
                     weight_grad_started = True
     if grad_weight is not None and not weight_grad_started:
         grad_weight.zero_()
     return _SweepOutput(
         loss, alpha, correct, per_depth, agreement, grad_draft, grad_weight, grad_scale, logit_grads
     )
+
+
+def _input_grad_into(products, g: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> None:
+    """``out = g @ W`` for ``out`` ``[depths, positions, b, h]`` (rows of the ``[G, s, b, h]``
+    gradient): straight into it for one depth, whose rows are contiguous; through a scratch
+    ``[rows, h]`` buffer for several."""
+    if out.shape[0] == 1:
+        products.input_grad(g, out.view(g.shape[0], -1))
+        return
+    flat = scratch.take('input_grad', (g.shape[0], out.shape[-1]), out.dtype, out.device)
+    products.input_grad(g, flat)
+    out.copy_(flat.view(out.shape))
 
 
 def _new_rows_buffer(shape, dtype, device, segments, s) -> torch.Tensor:
