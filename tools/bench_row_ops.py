@@ -2,12 +2,14 @@
 
 The fused TV sweep spends its time outside the matrix products in ``TorchRowOps`` (the CPU
 path): ``normalise_`` of the target and draft rows (with the argmax the greedy-agreement metric
-needs) and ``pair_sums`` writing the one-pass TV gradient. Two choices there are measured here,
+needs) and ``pair_sums`` writing the one-pass TV gradient. The choices there are measured here,
 each beside its alternatives in the same run (median of repeats, ratios to the first row):
 
 * ``block``: ``TorchRowOps.BLOCK_ELEMENTS``, the values per row block of every pass;
 * ``argmax``: :func:`megatron.mtp_tv.row_ops.row_max_argmax` against ``torch.max(z, -1)`` and
-  ``torch.amax`` (no index: the floor).
+  ``torch.amax`` (no index: the floor);
+* formulations tried and not adopted (the dot product as ``bmm``, KL through ``xlogy``, ATen's
+  fused softmax), each beside the one in use.
 
 With ``--mtp-tokens N`` it also runs Megatron's MTP path (the benchmark's ``mtp`` case: hidden
 1024, V 32k, one depth, ``'tv'`` at chunk ``--mtp-chunk``, default 512, target from the main
@@ -92,6 +94,67 @@ def time_argmax(tokens: int, vocab: int, repeats: int):
         ('torch.amax (no index)', lambda zb, b, i: torch.amax(zb, dim=-1, out=b)),
     ]
     return [(name, _median_time(blocked(op), repeats)) for name, op in variants]
+
+
+def time_rejected(tokens: int, vocab: int, repeats: int):
+    """Torch formulations tried for the row passes and not adopted, each beside the one in use,
+    over ``tokens`` rows in :class:`TorchRowOps` blocks: the dot product ``sum q 1[q<p]``,
+    ``KL(p || q)``, and the single-shard softmax (ATen's fused kernel written over its input:
+    faster, but less exact, see ``tests/test_linear_tv.py``)."""
+    g = torch.Generator().manual_seed(2)
+    zp = torch.randn(tokens, vocab, generator=g) * 2.5
+    P, Q = torch.softmax(zp, -1), torch.softmax(zp + torch.randn(tokens, vocab, generator=g), -1)
+    step = max(1, row_ops.TorchRowOps.BLOCK_ELEMENTS // vocab)
+    work, work2, below = (torch.empty(step, vocab) for _ in range(3))
+    z = torch.empty_like(zp)
+    tiny = torch.finfo(torch.float32).tiny
+
+    def blocked(op, fresh_logits=False):
+        def run():
+            if fresh_logits:
+                z.copy_(zp)
+            for start in range(0, tokens, step):
+                rows = slice(start, start + step)
+                op(P[rows], Q[rows], z[rows])
+        return run
+
+    def dot_mul_sum(p, q, _):
+        torch.sum(torch.mul(q, torch.lt(q, p, out=below), out=work), dim=-1)
+
+    def dot_bmm(p, q, _):
+        torch.bmm(q.unsqueeze(1), torch.lt(q, p, out=below).unsqueeze(2))
+
+    def kl_log_ratio(p, q, _):
+        ratio = torch.clamp(p, min=tiny, out=work)
+        torch.sum(ratio.div_(torch.clamp(q, min=tiny, out=work2)).log_().mul_(p), dim=-1)
+
+    def kl_xlogy(p, q, _):
+        ratio = torch.div(p, torch.clamp(q, min=tiny, out=work), out=work)
+        torch.sum(torch.xlogy(p, ratio, out=work), dim=-1)
+
+    def softmax_passes(p, q, zb):
+        zb.sub_(torch.amax(zb, dim=-1, keepdim=True)).exp_()
+        zb.div_(torch.sum(zb, dim=-1, keepdim=True))
+
+    def softmax_fused(p, q, zb):
+        torch.softmax(zb, dim=-1, out=zb)
+
+    pairs = [
+        ('dot product', 'mul + sum', blocked(dot_mul_sum), 'bmm row dot', blocked(dot_bmm)),
+        ('KL', 'clamp, div, log, mul, sum', blocked(kl_log_ratio), 'div, xlogy, sum', blocked(kl_xlogy)),
+        # both softmax rows include a copy of the logits per run (the passes overwrite them)
+        ('softmax', 'sub, exp, sum, div', blocked(softmax_passes, True),
+         'torch.softmax(out=input)', blocked(softmax_fused, True)),
+    ]
+    return [(what, used, _median_time(run_used, repeats), alt, _median_time(run_alt, repeats))
+            for what, used, run_used, alt, run_alt in pairs]
+
+
+def _rejected_table(rows) -> str:
+    lines = ['| pass | in use | (ms) | not adopted | (ms) | ratio |', '|---|---|---|---|---|---|']
+    lines += [f'| {what} | {used} | {t_used * 1e3:.1f} | {alt} | {t_alt * 1e3:.1f} | {t_alt / t_used:.2f}x |'
+              for what, used, t_used, alt, t_alt in rows]
+    return '\n'.join(lines)
 
 
 #: The row-pass settings before 8cc12a1, for the end-to-end comparison.
@@ -205,6 +268,8 @@ def main(argv=None):
     print(_table('BLOCK_ELEMENTS: normalise_ + pair_sums', time_blocks(args.tokens, args.vocab, exponents, args.repeats)))
     print()
     print(_table('row max with index', time_argmax(args.tokens, args.vocab, args.repeats)))
+    print()
+    print(_rejected_table(time_rejected(args.tokens, args.vocab, args.repeats)))
     if args.mtp_tokens:
         print()
         rows, profiles = time_mtp_path(args.mtp_tokens, args.repeats, chunk=args.mtp_chunk, profile=args.profile)
