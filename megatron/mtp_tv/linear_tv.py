@@ -519,9 +519,12 @@ def _sweep(draft_hidden, weight, target, token_weights, plan: _Plan, draft_grad,
             # Every depth's logit gradient now lies over its draft rows: one [G*n, V/tp] block.
             g = ops.written_grad(ops.rows(probs, n_t, n_t + G * n))
             if plan.logits_fn is not None:  # chain rule through the logit scaling function
-                with torch.enable_grad():
-                    leaf = raw[n_t:].detach().requires_grad_()
-                    (g,) = torch.autograd.grad(plan.logits_fn(leaf).float(), leaf, g)
+                # depth by depth, written back over the block: its temporaries stay [n, V/tp]
+                for k in range(G):
+                    with torch.enable_grad():
+                        leaf = raw[draft_rows[k]].detach().requires_grad_()
+                        (chained,) = torch.autograd.grad(plan.logits_fn(leaf).float(), leaf, g[k * n : (k + 1) * n])
+                    g[k * n : (k + 1) * n].copy_(chained)
             if logit_grads is not None:  # rounded to the weight's dtype as it is stored
                 logit_grads[:, rows].copy_(g.reshape(G, stop - start, b, -1))
                 continue
