@@ -2,7 +2,8 @@
 
 Evaluation (``torch.no_grad``, as Megatron's ``evaluate()``) and the metrics-only pass of
 ``mtp_log_acceptance`` need one projection per chunk (target and draft rows in one product);
-training adds the input- and weight-gradient products of every depth. Counted with a torch
+training adds one input- and one weight-gradient product per chunk for all depths (fp32
+weights). Counted with a torch
 dispatch mode, so a regression (e.g. deciding from ``ctx.needs_input_grad`` alone, which is True
 for a Parameter even under ``no_grad``) shows up as extra products.
 """
@@ -66,8 +67,9 @@ def test_products_in_eval_and_training(loss_type, fused):
     with counting() as training:
         out = linear_tv_loss(draft, target, weight, token_weights(loss_type, masks), **kwargs)
         out.loss.backward()
-    # fused: projection + G x (input grad + weight grad) per chunk; recompute: the sweep twice
-    per_chunk = 1 + 2 * G
+    # fused: projection + input grad + weight grad per chunk, every depth in each (fp32 weights);
+    # recompute: the sweep twice
+    per_chunk = 1 + 2
     assert training.count == chunks * (per_chunk if fused else 1 + per_chunk)
 
 
@@ -122,7 +124,21 @@ def test_target_logits_project_only_the_drafts(storage):
     with counting() as training:
         out = linear_tv_loss(draft, None, weight, token_weights('tv', masks), **kwargs)
         out.loss.backward()
-    # dense: G x (input grad + weight grad) per chunk in forward; logit_grads: both over all
-    # rows at once in backward.
-    gradients = chunks * 2 * G if storage == 'dense' else 2
+    # dense: input grad + weight grad per chunk in forward, every depth in each; logit_grads:
+    # both over all rows at once in backward.
+    gradients = chunks * 2 if storage == 'dense' else 2
     assert training.count == chunks + gradients
+
+
+def test_low_precision_weights_take_the_gradient_products_depth_by_depth():
+    # bf16/fp16: one product per depth, so no [G*n, V/tp] low-precision copy of the logit
+    # gradients exists at once (fp32 weights batch the depths: test above).
+    G, chunk_positions = 2, 3
+    draft, target, weight, masks = _inputs(G)
+    weight = torch.nn.Parameter(weight.detach().bfloat16())
+    chunks = 12 // chunk_positions
+    with counting() as training:
+        out = linear_tv_loss(draft, target.bfloat16(), weight, token_weights('tv', masks),
+                             loss_type='tv', chunk_size=chunk_positions * 2)
+        out.loss.backward()
+    assert training.count == chunks * (1 + 2 * G)
