@@ -3,9 +3,9 @@
 Evaluation (``torch.no_grad``, as Megatron's ``evaluate()``) and the metrics-only pass of
 ``mtp_log_acceptance`` need one projection per chunk (target and draft rows in one product);
 training adds one input- and one weight-gradient product per chunk for all depths (fp32
-weights). Counted with a torch
-dispatch mode, so a regression (e.g. deciding from ``ctx.needs_input_grad`` alone, which is True
-for a Parameter even under ``no_grad``) shows up as extra products.
+weights). Counted with a torch dispatch mode, so a regression (e.g. deciding from
+``ctx.needs_input_grad`` alone, which is True for a Parameter even under ``no_grad``) shows up
+as extra products.
 """
 
 import contextlib

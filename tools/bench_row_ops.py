@@ -98,9 +98,10 @@ def time_argmax(tokens: int, vocab: int, repeats: int):
 
 def time_rejected(tokens: int, vocab: int, repeats: int):
     """Torch formulations tried for the row passes and not adopted, each beside the one in use,
-    over ``tokens`` rows in :class:`TorchRowOps` blocks: the dot product ``sum q 1[q<p]``,
-    ``KL(p || q)``, and the single-shard softmax (ATen's fused kernel written over its input:
-    faster, but less exact, see ``tests/test_linear_tv.py``)."""
+    over ``tokens`` rows in :class:`TorchRowOps` blocks: the dot product ``sum q 1[q<p]`` and
+    ``KL(p || q)`` as ``pair_sums`` writes them, and the single-shard softmax (``normalise_``
+    itself against ATen's fused kernel written over its input: faster, but less exact, see
+    ``tests/test_linear_tv.py``)."""
     g = torch.Generator().manual_seed(2)
     zp = torch.randn(tokens, vocab, generator=g) * 2.5
     P, Q = torch.softmax(zp, -1), torch.softmax(zp + torch.randn(tokens, vocab, generator=g), -1)
@@ -132,9 +133,10 @@ def time_rejected(tokens: int, vocab: int, repeats: int):
         ratio = torch.div(p, torch.clamp(q, min=tiny, out=work), out=work)
         torch.sum(torch.xlogy(p, ratio, out=work), dim=-1)
 
-    def softmax_passes(p, q, zb):
-        zb.sub_(torch.amax(zb, dim=-1, keepdim=True)).exp_()
-        zb.div_(torch.sum(zb, dim=-1, keepdim=True))
+    ops = row_ops.TorchRowOps()
+
+    def softmax_in_use():  # the sweep's own single-shard normalise (it runs in blocks itself)
+        ops.normalise_(z.copy_(zp), None)
 
     def softmax_fused(p, q, zb):
         torch.softmax(zb, dim=-1, out=zb)
@@ -143,7 +145,7 @@ def time_rejected(tokens: int, vocab: int, repeats: int):
         ('dot product', 'mul + sum', blocked(dot_mul_sum), 'bmm row dot', blocked(dot_bmm)),
         ('KL', 'clamp, div, log, mul, sum', blocked(kl_log_ratio), 'div, xlogy, sum', blocked(kl_xlogy)),
         # both softmax rows include a copy of the logits per run (the passes overwrite them)
-        ('softmax', 'sub, exp, sum, div', blocked(softmax_passes, True),
+        ('softmax', 'normalise_: sub, exp, sum, div', softmax_in_use,
          'torch.softmax(out=input)', blocked(softmax_fused, True)),
     ]
     return [(what, used, _median_time(run_used, repeats), alt, _median_time(run_alt, repeats))
@@ -222,6 +224,7 @@ def time_mtp_path(tokens: int, repeats: int, hidden: int = 1024, vocab: int = 32
                     case.step()
                     if repeat:
                         times[name].append(time.perf_counter() - start)
+            # the loop ends on the earlier settings: profile with the current ones
             row_ops.TorchRowOps.BLOCK_ELEMENTS, row_ops.row_max_argmax = current
             profiles = {name: profile_step(cases[name]) for name in ('ce', 'tv')} if profile else None
     finally:
@@ -259,6 +262,8 @@ def main(argv=None):
                         help="with --mtp-tokens: also profile one 'ce' and one 'tv' step and "
                              "print where their self CPU time goes")
     args = parser.parse_args(argv)
+    if args.profile and not args.mtp_tokens:
+        parser.error('--profile needs --mtp-tokens')
     if args.threads:
         torch.set_num_threads(args.threads)
     exponents = [int(e) for e in args.blocks.split(',')]
@@ -277,8 +282,6 @@ def main(argv=None):
         if profiles:
             print()
             print(_profile_table(f'one step, {args.mtp_tokens} tokens, self CPU time', profiles))
-    elif args.profile:
-        parser.error('--profile needs --mtp-tokens')
 
 
 if __name__ == '__main__':
