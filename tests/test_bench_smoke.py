@@ -22,6 +22,7 @@ sys.path.insert(0, TOOLS)
 
 from lossbench.memory import LiveBytesTracker, SavedTensorsCounter, linear_fit  # noqa: E402
 from lossbench.report import apply_targets, products_floor, step_products  # noqa: E402
+from lossbench.runs import paired_ratio  # noqa: E402
 from lossbench import report as report_module  # noqa: E402
 
 #: Every row group, as the quick run below selects them.
@@ -174,6 +175,17 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert {'ce', 'tv chunk 32', 'tv-recompute chunk 32', 'tv-products chunk 32',
             'ce-products', 'e2e_tv chunk 32'} <= cases
     assert '## Benchmark' in (tmp_path / 'gpu_check.md').read_text()
+
+
+def test_paired_ratio_cancels_a_slowdown_that_hits_a_whole_round():
+    # Round 2 ran on a machine twice as slow: both cases doubled. The ratio of medians would
+    # compare CE's fast median with the case's slow one; the per-round ratio stays 1.1.
+    ce = [1.0, 2.0, 2.0]
+    tv = [1.1, 2.2, 2.2]
+    assert paired_ratio(tv, ce) == pytest.approx(1.1)
+    assert paired_ratio([1.0, 3.0, 1.2], [1.0, 1.0, 1.0]) == pytest.approx(1.2)  # the median
+    with pytest.raises(ValueError, match='3 timed runs against 2'):
+        paired_ratio(tv, ce[:2])
 
 
 def test_products_floor():

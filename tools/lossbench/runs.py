@@ -5,6 +5,7 @@ time kept).
 
 import argparse
 import os
+import statistics
 import time
 from typing import Dict, List, Optional
 
@@ -24,15 +25,29 @@ def cpu_count() -> int:
 
 
 
+def paired_ratio(times: List[float], baseline: List[float]) -> float:
+    """Median over rounds of ``times[i] / baseline[i]``.
+
+    The cases of a shape run interleaved, one round after another, so a case's run and CE's run
+    of the same round lie seconds apart, and a slowdown of the machine that lasts longer than a
+    round slows both: the per-round ratio cancels it, where a ratio of medians compares runs
+    minutes apart.
+    """
+    if len(times) != len(baseline) or not times:
+        raise ValueError(f'{len(times)} timed runs against {len(baseline)} of the baseline.')
+    return statistics.median(t / b for t, b in zip(times, baseline))
+
+
 def _rows(group: str, seq: int, tp: int, G: int, results: Dict[str, dict], tokens: int,
           extra: Optional[dict] = None) -> List[dict]:
-    base = results['ce']['time']
+    base = results['ce']['times']
     rows = []
     for impl, r in results.items():
         rows.append({
             'case': group, 'seq': seq, 'tp': tp, 'G': G, 'impl': impl, 'tokens': tokens,
             'time_s': r['time'], 'times_s': r['times'],
-            'ratio': r['time'] / base if impl != 'ce' else 1.0,
+            'ratio': paired_ratio(r['times'], base) if impl != 'ce' else 1.0,
+            'ratio_of_medians': r['time'] / results['ce']['time'],
             'peak_mib': r['peak'] / MiB, 'fwd_peak_mib': r['fwd_peak'] / MiB,
             'bwd_peak_mib': r['bwd_peak'] / MiB,
             'peak_mib_per_rank': [r['peak'] / MiB],
