@@ -315,8 +315,8 @@ def test_row_ops_benchmark_times_each_choice_beside_its_alternatives(capsys):
 
     default = TorchRowOps.BLOCK_ELEMENTS
     bench.main(['--tokens', '8', '--vocab', '1024', '--repeats', '1', '--blocks', '10,12'])
-    rows, profiles = bench.time_mtp_path(16, 1, hidden=32, vocab=256, chunk=4, profile=True)
-    assert [name for name, _ in rows] == ["'ce'", "'tv'", "'tv', earlier row passes"]
+    rows, profiles = bench.time_mtp_path(16, 1, hidden=32, vocab=256, chunk=4, profile=True, blocks=[8])
+    assert [name for name, _ in rows] == ["'ce'", "'tv'", "'tv', earlier row passes", "'tv', 2^8-value blocks"]
     for case in ('ce', 'tv'):  # every case multiplies matrices; the rows add up to the total
         seconds = profiles[case]
         assert seconds['matrix products'] > 0
@@ -331,3 +331,9 @@ def test_row_ops_benchmark_times_each_choice_beside_its_alternatives(capsys):
     assert '| dot product | mul + sum | ' in out and '| softmax | normalise_: sub, exp, sum, div | ' in out
     for variant in ('torch.max(z, -1)', 'row_max_argmax', 'torch.amax (no index)'):
         assert f'| {variant} | ' in out
+
+    core = max(os.sched_getaffinity(0))
+    for kind in ('memory', 'cpu'):
+        with bench.hog(kind, core) as hog:  # busy on its core while the block runs, then gone
+            assert hog.poll() is None and os.sched_getaffinity(hog.pid) == {core}
+        assert hog.poll() is not None

@@ -16,18 +16,28 @@ With ``--mtp-tokens N`` it also runs Megatron's MTP path (the benchmark's ``mtp`
 logits) end to end, ``'ce'`` and ``'tv'`` with these defaults and ``'tv'`` with the earlier ones
 (2^18-value blocks, ``torch.max``), interleaved in one process, the ratio of medians to
 ``'ce'``; ``--profile`` then profiles one more ``'ce'`` and ``'tv'`` step and prints their self
-CPU time side by side: matrix products, row max / argmax, everything else.
+CPU time side by side: matrix products, row max / argmax, everything else. ``--hog memory``
+times the MTP path twice, on all cores but one, first alone and then beside a process that
+streams copies of two 256 MiB buffers on the remaining core (memory-bandwidth and last-level
+cache contention, as a busy neighbour on a shared host makes it); ``--hog cpu`` times it on all
+cores, alone and beside a busy loop on the last core, so that one of its threads shares a core
+(as on a loaded machine, or a virtual CPU whose host takes time from it): every parallel op then
+waits for that thread, and a path of many short ops loses more than one of a few long ones.
 
     .venv/bin/python tools/bench_row_ops.py                 # one 1024-token chunk of V 32k
     .venv/bin/python tools/bench_row_ops.py --tokens 512 --vocab 151936 --repeats 7
     .venv/bin/python tools/bench_row_ops.py --mtp-tokens 8192 --repeats 3
     .venv/bin/python tools/bench_row_ops.py --mtp-tokens 4096 --repeats 3 --profile
     .venv/bin/python tools/bench_row_ops.py --mtp-tokens 4096 --repeats 3 --profile --mtp-chunk 1024
+    .venv/bin/python tools/bench_row_ops.py --mtp-tokens 4096 --repeats 3 --hog memory
+    .venv/bin/python tools/bench_row_ops.py --mtp-tokens 4096 --repeats 3 --hog cpu
 """
 
 import argparse
+import contextlib
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -196,8 +206,9 @@ def profile_step(case) -> dict:
 
 
 def time_mtp_path(tokens: int, repeats: int, hidden: int = 1024, vocab: int = 32768, chunk: int = 512,
-                  profile: bool = False):
-    """``'ce'`` and ``'tv'`` (current and earlier row passes) on the MTP path, interleaved.
+                  profile: bool = False, blocks=()):
+    """``'ce'`` and ``'tv'`` (current and earlier row passes, and ``'tv'`` with
+    ``BLOCK_ELEMENTS = 2^e`` for each exponent in ``blocks``) on the MTP path, interleaved.
 
     Returns ``(rows, profiles)``: the median time per setting, and with ``profile`` the
     :func:`profile_step` of one more ``'ce'`` and ``'tv'`` step each (else None).
@@ -209,6 +220,8 @@ def time_mtp_path(tokens: int, repeats: int, hidden: int = 1024, vocab: int = 32
     current = (row_ops.TorchRowOps.BLOCK_ELEMENTS, row_ops.row_max_argmax)
     settings = {"'ce'": None, "'tv'": current,
                 "'tv', earlier row passes": (EARLIER_BLOCK_ELEMENTS, _earlier_argmax)}
+    for e in blocks:
+        settings[f"'tv', 2^{e}-value blocks"] = (1 << e, row_ops.row_max_argmax)
     times = {name: [] for name in settings}
     try:
         with single_process():
@@ -230,6 +243,40 @@ def time_mtp_path(tokens: int, repeats: int, hidden: int = 1024, vocab: int = 32
     finally:
         row_ops.TorchRowOps.BLOCK_ELEMENTS, row_ops.row_max_argmax = current
     return [(name, statistics.median(t)) for name, t in times.items()], profiles
+
+
+#: The ``--hog`` processes: two 256 MiB buffers copied into each other, or a busy loop; forever.
+_HOG_SOURCES = {
+    'memory': """
+import torch
+torch.set_num_threads(1)
+a = torch.randn(1 << 26)
+b = torch.empty_like(a)
+print('ready', flush=True)
+while True:
+    b.copy_(a)
+    a.copy_(b)
+""",
+    'cpu': """
+print('ready', flush=True)
+while True:
+    pass
+""",
+}
+
+
+@contextlib.contextmanager
+def hog(kind: str, core: int):
+    """A ``kind`` (:data:`_HOG_SOURCES`) process busy on ``core`` while the block runs (yielded)."""
+    proc = subprocess.Popen([sys.executable, '-c', _HOG_SOURCES[kind]], stdout=subprocess.PIPE, text=True)
+    try:
+        os.sched_setaffinity(proc.pid, {core})
+        if proc.stdout.readline().strip() != 'ready':
+            raise RuntimeError(f'the {kind} hog exited with {proc.wait()}')
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def _table(title: str, rows) -> str:
@@ -258,12 +305,27 @@ def main(argv=None):
     parser.add_argument('--mtp-tokens', type=int, default=0,
                         help="also time the MTP path end to end at this many tokens (0: no)")
     parser.add_argument('--mtp-chunk', type=int, default=512, help="with --mtp-tokens: 'tv''s mtp_tv_chunk")
+    parser.add_argument('--mtp-blocks', default='',
+                        help="with --mtp-tokens: also time 'tv' with these BLOCK_ELEMENTS exponents")
     parser.add_argument('--profile', action='store_true',
                         help="with --mtp-tokens: also profile one 'ce' and one 'tv' step and "
                              "print where their self CPU time goes")
+    parser.add_argument('--hog', choices=sorted(_HOG_SOURCES),
+                        help='with --mtp-tokens: time the MTP path again beside a process busy on '
+                             "the last core: 'memory' copying buffers (this process then keeps off "
+                             "that core), 'cpu' a busy loop (this process keeps every core)")
     args = parser.parse_args(argv)
-    if args.profile and not args.mtp_tokens:
-        parser.error('--profile needs --mtp-tokens')
+    if (args.profile or args.hog) and not args.mtp_tokens:
+        parser.error('--profile and --hog need --mtp-tokens')
+    hog_core = None
+    if args.hog:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 2:
+            parser.error(f'--hog needs two cores, this process may use {len(cores)}')
+        hog_core = cores[-1]
+        if args.hog == 'memory':
+            os.sched_setaffinity(0, cores[:-1])
+            torch.set_num_threads(args.threads or len(cores) - 1)
     if args.threads:
         torch.set_num_threads(args.threads)
     exponents = [int(e) for e in args.blocks.split(',')]
@@ -277,11 +339,19 @@ def main(argv=None):
     print(_rejected_table(time_rejected(args.tokens, args.vocab, args.repeats)))
     if args.mtp_tokens:
         print()
-        rows, profiles = time_mtp_path(args.mtp_tokens, args.repeats, chunk=args.mtp_chunk, profile=args.profile)
+        mtp_blocks = [int(e) for e in args.mtp_blocks.split(',') if e]
+        rows, profiles = time_mtp_path(args.mtp_tokens, args.repeats, chunk=args.mtp_chunk,
+                                       profile=args.profile, blocks=mtp_blocks)
         print(_table(f'MTP path, {args.mtp_tokens} tokens, chunk {args.mtp_chunk}', rows))
         if profiles:
             print()
             print(_profile_table(f'one step, {args.mtp_tokens} tokens, self CPU time', profiles))
+        if hog_core is not None:
+            with hog(args.hog, hog_core):
+                rows, _ = time_mtp_path(args.mtp_tokens, args.repeats, chunk=args.mtp_chunk,
+                                        blocks=mtp_blocks)
+            print()
+            print(_table(f'the same, beside a {args.hog} hog on core {hog_core}', rows))
 
 
 if __name__ == '__main__':
