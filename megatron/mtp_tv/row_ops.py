@@ -108,10 +108,14 @@ class TorchRowOps:
     name = 'torch'
 
     #: Values per row block: small enough that a block of the 2-4 operands stays in cache,
-    #: large enough that Python dispatch (a few microseconds per op) stays negligible
-    #: (``tools/bench_row_ops.py`` times the candidates: 2^19 and 2^20 are the fastest on a
-    #: 2-core EPYC, 15-20% ahead of 2^18).
-    BLOCK_ELEMENTS = 1 << 19
+    #: large enough that Python dispatch (a few microseconds per op) stays negligible and that
+    #: the sweep opens few parallel regions: every op on a block is one, and each waits for its
+    #: slowest thread, so on a CPU shared with other work (one core busy elsewhere) the step
+    #: slows with their number (``tools/bench_row_ops.py`` times the candidates: on a 2-core
+    #: EPYC 2^19 and 2^20 are the fastest, 2^21 falls out of cache; on a 2-core Xeon
+    #: 2^18-2^21 are equally fast alone, and beside a busy loop on one core 2^20 takes 0.82x
+    #: the time of 2^19).
+    BLOCK_ELEMENTS = 1 << 20
 
     def __init__(self):
         self._scratch = Scratch()
