@@ -113,8 +113,8 @@ class TorchRowOps:
     #: slowest thread, so on a CPU shared with other work (one core busy elsewhere) the step
     #: slows with their number (``tools/bench_row_ops.py`` times the candidates: on a 2-core
     #: EPYC 2^19 and 2^20 are the fastest, 2^21 falls out of cache; on a 2-core Xeon
-    #: 2^18-2^21 are equally fast alone, and beside a busy loop on one core 2^20 takes 0.82x
-    #: the time of 2^19).
+    #: 2^18-2^21 are equally fast alone, and beside a busy loop on one core 2^20 took 0.82x
+    #: and 0.97x the time of 2^19 in two runs).
     BLOCK_ELEMENTS = 1 << 20
 
     def __init__(self):
