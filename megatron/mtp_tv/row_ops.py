@@ -101,8 +101,9 @@ class TorchRowOps:
       pass costs more in page faults than the arithmetic;
     * the indicator ``1[q < p]`` is kept as 0/1 floats: mixed bool/float products take a slow
       path;
-    * the passes of a phase run over blocks of about :data:`BLOCK_ELEMENTS` values, so the
-      second and later passes over a block find it in cache instead of streaming the chunk again.
+    * the passes of a phase run over blocks of about :data:`BLOCK_ELEMENTS` values (and at most
+      an eighth of the operand's rows), so the second and later passes over a block find it in
+      cache instead of streaming the chunk again.
     """
 
     name = 'torch'
@@ -116,6 +117,9 @@ class TorchRowOps:
     #: 2^18-2^21 are equally fast alone, and beside a busy loop on one core 2^20 took 0.82x
     #: and 0.97x the time of 2^19 in two runs).
     BLOCK_ELEMENTS = 1 << 20
+
+    #: An operand with the rows for it is split into at least this many blocks (see ``_blocks``).
+    MIN_BLOCKS = 8
 
     def __init__(self):
         self._scratch = Scratch()
@@ -237,7 +241,12 @@ class TorchRowOps:
             qb.addcmul_(pb, kl_coef.unsqueeze(-1), value=-1.0)
 
     def _blocks(self, z: torch.Tensor):
-        step = max(1, self.BLOCK_ELEMENTS // max(1, z.shape[-1]))
+        # At most BLOCK_ELEMENTS values, and at most 1/MIN_BLOCKS of the rows: the
+        # block-sized scratch (up to three blocks in pair_sums) then stays a small part of the
+        # chunk's own logits at any shape, which the peak bound against the CE path needs
+        # when the chunk is small (tests/test_memory_bound.py).
+        by_values = self.BLOCK_ELEMENTS // max(1, z.shape[-1])
+        step = max(1, min(by_values, z.shape[0] // self.MIN_BLOCKS))
         return [slice(start, start + step) for start in range(0, z.shape[0], step)]
 
     def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
