@@ -268,7 +268,8 @@ while True:
 @contextlib.contextmanager
 def hog(kind: str, core: int):
     """A ``kind`` (:data:`_HOG_SOURCES`) process busy on ``core`` while the block runs (yielded)."""
-    proc = subprocess.Popen([sys.executable, '-c', _HOG_SOURCES[kind]], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, '-c', _HOG_SOURCES[kind]],
+                            stdout=subprocess.PIPE, text=True)
     try:
         os.sched_setaffinity(proc.pid, {core})
         if proc.stdout.readline().strip() != 'ready':
@@ -306,7 +307,8 @@ def main(argv=None):
                         help="also time the MTP path end to end at this many tokens (0: no)")
     parser.add_argument('--mtp-chunk', type=int, default=512, help="with --mtp-tokens: 'tv''s mtp_tv_chunk")
     parser.add_argument('--mtp-blocks', default='',
-                        help="with --mtp-tokens: also time 'tv' with these BLOCK_ELEMENTS exponents")
+                        help="with --mtp-tokens: also time 'tv' at these BLOCK_ELEMENTS "
+                             "exponents")
     parser.add_argument('--profile', action='store_true',
                         help="with --mtp-tokens: also profile one 'ce' and one 'tv' step and "
                              "print where their self CPU time goes")
