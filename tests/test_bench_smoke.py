@@ -305,6 +305,19 @@ def test_report_option_rerenders_a_saved_run_without_measuring(quick_report, tmp
         assert f"| {r['time_s']:.3f} |" in proc.stdout
     met = [line for line in stdout.splitlines() if line.startswith('targets met:')]
     assert met and met[-1] in proc.stdout  # the same targets as the run's: the same verdicts
+    assert 'ratio vs CE: the median over rounds' in proc.stdout
+    # A run saved before the paired ratio says which ratio its rows carry.
+    older = json.loads(json.dumps(report))  # a copy: the fixture serves other tests
+    for r in older['rows']:
+        del r['ratio_of_medians']
+    saved.write_text(json.dumps(older))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(TOOLS, 'bench_loss.py'), '--report', str(saved)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'ratio vs CE: median time over CE' in proc.stdout
+    assert 'median over rounds' not in proc.stdout
 
 
 def test_row_ops_benchmark_times_each_choice_beside_its_alternatives(capsys):

@@ -88,13 +88,12 @@ def time_argmax(tokens: int, vocab: int, repeats: int):
     """Row max with index over ``2 * tokens`` rows, block by block as ``normalise_`` runs it."""
     g = torch.Generator().manual_seed(1)
     z = torch.randn(2 * tokens, vocab, generator=g) * 2.5
-    step = max(1, row_ops.TorchRowOps.BLOCK_ELEMENTS // vocab)
+    blocks = row_ops.TorchRowOps()._blocks(z)
     best, index = torch.empty(2 * tokens), torch.empty(2 * tokens, dtype=torch.long)
 
     def blocked(op):
         def run():
-            for start in range(0, z.shape[0], step):
-                rows = slice(start, start + step)
+            for rows in blocks:
                 op(z[rows], best[rows], index[rows])
         return run
 
@@ -115,7 +114,8 @@ def time_rejected(tokens: int, vocab: int, repeats: int):
     g = torch.Generator().manual_seed(2)
     zp = torch.randn(tokens, vocab, generator=g) * 2.5
     P, Q = torch.softmax(zp, -1), torch.softmax(zp + torch.randn(tokens, vocab, generator=g), -1)
-    step = max(1, row_ops.TorchRowOps.BLOCK_ELEMENTS // vocab)
+    blocks = row_ops.TorchRowOps()._blocks(Q)  # the blocks pair_sums walks
+    step = blocks[0].stop - blocks[0].start
     work, work2, below = (torch.empty(step, vocab) for _ in range(3))
     z = torch.empty_like(zp)
     tiny = torch.finfo(torch.float32).tiny
@@ -124,8 +124,7 @@ def time_rejected(tokens: int, vocab: int, repeats: int):
         def run():
             if fresh_logits:
                 z.copy_(zp)
-            for start in range(0, tokens, step):
-                rows = slice(start, start + step)
+            for rows in blocks:
                 op(P[rows], Q[rows], z[rows])
         return run
 

@@ -285,8 +285,11 @@ def render(report: dict) -> str:
         lines[-1] += f" ({env['loss_mode']} mode; TV target: {env['tv_target']})"
     if report['args'].get('label'):
         lines[-1] += f"; {report['args']['label']}"
+    # Runs saved before the paired ratio (re-rendered with --report) have the ratio of medians.
+    paired = all('ratio_of_medians' in r for r in report['rows'])
     lines[-1] += ("; ratio vs CE: the median over rounds of each round's time over CE's in the "
-                  "same round (the cases run interleaved)")
+                  "same round (the cases run interleaved)" if paired else
+                  "; ratio vs CE: median time over CE's median time")
     rows = [r for r in report['rows'] if r['case'] in ('loss', 'mtp', 'tp')]
     if rows:
         lines += ["", "| case | seq | tp | G | impl | time (s) | min-max | ratio vs CE | peak extra "
