@@ -342,6 +342,7 @@ def test_row_ops_benchmark_times_each_choice_beside_its_alternatives(capsys):
     assert row_ops.row_max_argmax.__module__ == 'megatron.mtp_tv.row_ops'
     assert '| 2^10 | ' in out and '| 2^12 | ' in out
     assert '| dot product | mul + sum | ' in out and '| softmax | normalise_: sub, exp, sum, div | ' in out
+    assert '| target rows from main logits | normalise_(source=) | ' in out
     for variant in ('torch.max(z, -1)', 'row_max_argmax', 'torch.amax (no index)'):
         assert f'| {variant} | ' in out
 

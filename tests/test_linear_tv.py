@@ -320,3 +320,35 @@ def test_single_shard_normalise_is_the_softmax_written_over_its_input(vocab):
     torch.testing.assert_close(probs.double().sum(-1), torch.ones(40, dtype=torch.float64), rtol=0, atol=4e-6)
     max_, argmax = torch.max(logits, dim=-1)
     assert torch.equal(stats.max, max_) and torch.equal(stats.argmax, argmax + 5)
+
+
+@pytest.mark.parametrize('source_rows', [0, 9, 40])
+@pytest.mark.parametrize('with_argmax', [False, True])
+def test_normalise_reading_rows_from_a_source_equals_copying_them_first(source_rows, with_argmax):
+    """The main-logit target rows are read by the softmax's first pass instead of being copied
+    into the chunk buffer: bit for bit the same probabilities and statistics as copying first,
+    with a block across the end of the source rows (9 of 40, blocks of 5) and the source left
+    as it was."""
+    g = torch.Generator().manual_seed(source_rows)
+    logits = torch.randn(40, 1000, generator=g) * 3.0
+    source = logits[:source_rows].clone()
+    source_before = source.clone()
+    ops = TorchRowOps()
+    vocab_start = 3 if with_argmax else None
+    expected, expected_stats = ops.normalise_(logits.clone(), None, vocab_start=vocab_start)
+    work = logits.clone()
+    work[:source_rows] = float('nan')  # not yet written: must not be read
+    probs, stats = ops.normalise_(work, None, vocab_start=vocab_start, source=source)
+    assert probs.data_ptr() == work.data_ptr()
+    assert torch.equal(probs, expected) and torch.equal(stats.max, expected_stats.max)
+    if with_argmax:
+        assert torch.equal(stats.argmax, expected_stats.argmax)
+    assert torch.equal(source, source_before)
+
+
+def test_normalise_rejects_a_source_that_does_not_fit():
+    ops = TorchRowOps()
+    with pytest.raises(ValueError, match='does not fit'):
+        ops.normalise_(torch.zeros(4, 8), None, source=torch.zeros(5, 8))
+    with pytest.raises(ValueError, match='dtype'):
+        ops.normalise_(torch.zeros(4, 8), None, source=torch.zeros(2, 8, dtype=torch.bfloat16))

@@ -108,9 +108,10 @@ def time_argmax(tokens: int, vocab: int, repeats: int):
 def time_rejected(tokens: int, vocab: int, repeats: int):
     """Torch formulations tried for the row passes and not adopted, each beside the one in use,
     over ``tokens`` rows in :class:`TorchRowOps` blocks: the dot product ``sum q 1[q<p]`` and
-    ``KL(p || q)`` as ``pair_sums`` writes them, and the single-shard softmax (``normalise_``
+    ``KL(p || q)`` as ``pair_sums`` writes them, the single-shard softmax (``normalise_``
     itself against ATen's fused kernel written over its input: faster, but less exact, see
-    ``tests/test_linear_tv.py``)."""
+    ``tests/test_linear_tv.py``), and target rows taken from the main logits (read by the
+    softmax's first pass against copied into the chunk buffer first)."""
     g = torch.Generator().manual_seed(2)
     zp = torch.randn(tokens, vocab, generator=g) * 2.5
     P, Q = torch.softmax(zp, -1), torch.softmax(zp + torch.randn(tokens, vocab, generator=g), -1)
@@ -150,12 +151,22 @@ def time_rejected(tokens: int, vocab: int, repeats: int):
     def softmax_fused(p, q, zb):
         torch.softmax(zb, dim=-1, out=zb)
 
+    # Target rows given as main logits (which must stay intact): the softmax's first pass reads
+    # them where they are, against copying them into the chunk buffer first.
+    def target_read_in_place():
+        ops.normalise_(z, None, source=zp)
+
+    def target_copied():
+        ops.normalise_(z.copy_(zp), None)
+
     pairs = [
         ('dot product', 'mul + sum', blocked(dot_mul_sum), 'bmm row dot', blocked(dot_bmm)),
         ('KL', 'clamp, div, log, mul, sum', blocked(kl_log_ratio), 'div, xlogy, sum', blocked(kl_xlogy)),
         # both softmax rows include a copy of the logits per run (the passes overwrite them)
         ('softmax', 'normalise_: sub, exp, sum, div', softmax_in_use,
          'torch.softmax(out=input)', blocked(softmax_fused, True)),
+        ('target rows from main logits', 'normalise_(source=)', target_read_in_place,
+         'copy, then normalise_', target_copied),
     ]
     return [(what, used, _median_time(run_used, repeats), alt, _median_time(run_alt, repeats))
             for what, used, run_used, alt, run_alt in pairs]

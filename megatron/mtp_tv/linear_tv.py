@@ -433,6 +433,12 @@ def _sweep(draft_hidden, weight, target, token_weights, plan: _Plan, draft_grad,
     # Row-local losses on one shard know each row's coefficients as soon as its sums are done,
     # so the gradient is formed in the same pass.
     one_pass_grad = want_grad and loss_fn.row_local and group_size(plan.tp_group) == 1
+    # Target rows taken from fp32 main logits as they are (no logit function, T = 1) are not
+    # copied into the chunk buffer first: the softmax's first pass reads them where they are.
+    defer_target_copy = (
+        plan.target_is_logits and plan.logits_fn is None and plan.inv_temperature == 1.0
+        and target.dtype == torch.float32
+    )
     want_dot = want_grad and loss_fn.tv_grad
 
     ops = None
@@ -447,10 +453,16 @@ def _sweep(draft_hidden, weight, target, token_weights, plan: _Plan, draft_grad,
             n_t = (stop - start + G - 1) * b
             raw = scratch.take('logits', (n_t + G * n, weight.shape[0]), torch.float32, device)
             drafts = [draft_hidden[k, rows].reshape(n, h) for k in range(G)]
+            target_source = None  # target logit rows the softmax reads in place of a copy
             if plan.target_is_logits:
                 inputs = torch.cat(drafts, out=scratch.take('inputs', (G * n, h), weight.dtype, device))
                 products.logits(inputs, raw[n_t:])
-                _target_logit_rows(target, seg, start + 1, stop + G, products, raw[:n_t])
+                target_source = _target_logit_rows(
+                    target, seg, start + 1, stop + G, products, raw[:n_t],
+                    # the temperature divides f(logits) when there is a logit function f
+                    scale=plan.inv_temperature if plan.logits_fn is None else 1.0,
+                    defer_body=defer_target_copy,
+                )
             else:
                 target_rows = _virtual_rows(target, seg, start + 1, stop + G).reshape(n_t, h)
                 all_rows = torch.cat(
@@ -462,7 +474,9 @@ def _sweep(draft_hidden, weight, target, token_weights, plan: _Plan, draft_grad,
             # Row ops overwrite their input; with a logits function, raw stays intact for its chain rule.
             z = plan.logits_fn(raw).float() if plan.logits_fn is not None else raw
             if plan.inv_temperature != 1.0:
-                z = z.mul_(plan.inv_temperature)
+                # target logit rows read from the main logits were scaled as they were copied
+                scaled_from = n_t if plan.target_is_logits and plan.logits_fn is None else 0
+                z[scaled_from:].mul_(plan.inv_temperature)
             if ops is None:
                 ops, _ = select_row_ops(z)
             draft_rows = [slice(n_t + k * n, n_t + (k + 1) * n) for k in range(G)]
@@ -471,7 +485,9 @@ def _sweep(draft_hidden, weight, target, token_weights, plan: _Plan, draft_grad,
                 hits = [_label_logit(z[draft_rows[k]], chunk_labels[k], vocab_start, vocab_stop) for k in range(G)]
 
             # Collective 1: the normalisers (and argmax) of the target rows and every depth's rows.
-            probs, stats = ops.normalise_(z, plan.tp_group, vocab_start if plan.metrics else None)
+            probs, stats = ops.normalise_(
+                z, plan.tp_group, vocab_start if plan.metrics else None, source=target_source
+            )
             # Depth k at position t compares with target row t+k+1: target rows k*b .. k*b+n.
             target_of = [slice(k * b, k * b + n) for k in range(G)]
             pairs = [(ops.rows(probs, t.start, t.stop), ops.rows(probs, r.start, r.stop)) for t, r in zip(target_of, draft_rows)]
@@ -672,27 +688,43 @@ def _virtual_rows(target_hidden, seg: TargetSegment, first: int, stop: int) -> t
     return torch.cat([body, tail]) if body.shape[0] else tail
 
 
-def _target_logit_rows(target_logits, seg: TargetSegment, first: int, stop: int, products, out) -> None:
-    """``out`` = the logits of rows ``[first, stop)`` of :func:`_virtual_rows`, read from the
-    target's logits: copied (the row ops overwrite ``out`` in place, the main logits must stay
-    intact); only the halo rows, hidden states from another rank, are projected, then rounded to
-    the logits' dtype like the rows around them. Rows past the sequence without a halo are zeros
-    (their targets carry zero weight)."""
+def _target_logit_rows(target_logits, seg: TargetSegment, first: int, stop: int, products, out,
+                       scale: float = 1.0, defer_body: bool = False) -> Optional[torch.Tensor]:
+    """``out`` = ``scale`` times the logits of rows ``[first, stop)`` of :func:`_virtual_rows`,
+    read from the target's logits: copied (the row ops overwrite ``out`` in place, the main
+    logits must stay intact); only the halo rows, hidden states from another rank, are projected,
+    then rounded to the logits' dtype like the rows around them. Rows past the sequence without a
+    halo are zeros (their targets carry zero weight).
+
+    With ``defer_body`` (``scale`` 1) the rows inside the sequence are not copied: they are
+    returned, ``[r, V/tp]``, for the row ops' softmax to read as ``out``'s first ``r`` rows
+    (``normalise_(..., source=)``); None otherwise."""
     body_stop = min(stop, seg.stop)
     n_body = max(0, body_stop - first) * target_logits.shape[1]
+    body = None
     if n_body:
-        out[:n_body].copy_(target_logits[first:body_stop].reshape(n_body, target_logits.shape[-1]))
+        body = target_logits[first:body_stop].reshape(n_body, target_logits.shape[-1])
+        if not defer_body:
+            if scale != 1.0 and body.dtype == out.dtype:
+                torch.mul(body, scale, out=out[:n_body])  # the copy and the temperature, one pass
+            else:  # bf16/fp16 logits: upcast first (a product in their dtype would round)
+                out[:n_body].copy_(body)
+                if scale != 1.0:
+                    out[:n_body].mul_(scale)
+            body = None
     extra = stop - max(first, seg.stop)
-    if extra <= 0:
-        return
-    tail = out[n_body:]
-    if seg.halo is None:
-        tail.zero_()
-        return
-    halo = seg.halo[:extra].reshape(tail.shape[0], -1).to(products.weight.dtype)
-    products.logits(halo, tail)
-    if target_logits.dtype != torch.float32:
-        tail.copy_(tail.to(target_logits.dtype))
+    if extra > 0:
+        tail = out[n_body:]
+        if seg.halo is None:
+            tail.zero_()
+        else:
+            halo = seg.halo[:extra].reshape(tail.shape[0], -1).to(products.weight.dtype)
+            products.logits(halo, tail)
+            if target_logits.dtype != torch.float32:
+                tail.copy_(tail.to(target_logits.dtype))
+            if scale != 1.0:
+                tail.mul_(scale)
+    return body
 
 
 def _label_logit(z, labels, vocab_start, vocab_stop):

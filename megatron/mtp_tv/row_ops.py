@@ -124,28 +124,45 @@ class TorchRowOps:
     def __init__(self):
         self._scratch = Scratch()
 
-    def normalise_(self, z: torch.Tensor, group: ProcessGroup, vocab_start: Optional[int] = None):
+    def normalise_(
+        self,
+        z: torch.Tensor,
+        group: ProcessGroup,
+        vocab_start: Optional[int] = None,
+        source: Optional[torch.Tensor] = None,
+    ):
         """Overwrite ``z`` with its softmax over the full (possibly sharded) vocabulary.
 
         Args:
             z: ``[n, V/tp]`` fp32 logits.
             group: the group the vocabulary is sharded over.
             vocab_start: this shard's first vocabulary index; given, the argmax is computed too.
+            source: optional ``[r, V/tp]`` logits of ``z``'s first ``r`` rows, not yet written
+                there (e.g. the main head's logits, which must stay intact): the first pass over
+                those rows reads them from ``source`` and writes ``z``, so no separate copy
+                pass is made. Same dtype as ``z``.
 
         Returns:
             ``(probabilities [n, V/tp] (z itself), RowStats)``.
         """
         single_shard = group_size(group) == 1
         n = z.shape[0]
+        from_source = _check_source(z, source)
         local_max, local_logsum = z.new_empty(n), z.new_empty(n)
         local_argmax = torch.empty(n, dtype=torch.long, device=z.device) if vocab_start is not None else None
         for rows in self._blocks(z):
             zb, mb, sb = z[rows], local_max[rows], local_logsum[rows]
+            xb = zb  # where the block's logits are read from
+            if rows.start < from_source:
+                if rows.stop <= from_source:
+                    xb = source[rows]
+                else:  # a block across the end of the source rows: copy that part first
+                    zb[: from_source - rows.start].copy_(source[rows.start :])
             if local_argmax is None:
-                torch.amax(zb, dim=-1, out=mb)
+                torch.amax(xb, dim=-1, out=mb)
             else:
-                row_max_argmax(zb, mb, local_argmax[rows])
-            zb.sub_(mb.unsqueeze(-1)).exp_()
+                row_max_argmax(xb, mb, local_argmax[rows])
+            torch.sub(xb, mb.unsqueeze(-1), out=zb).exp_()
             torch.sum(zb, dim=-1, out=sb)
             if single_shard:  # the normaliser is complete: divide while the block is in cache
                 # (not ATen's fused torch.softmax(zb, out=zb): a third fewer passes, but its
@@ -253,13 +270,33 @@ class TorchRowOps:
         return self._scratch.take(name, like.shape, like.dtype, like.device)
 
 
+def _check_source(z: torch.Tensor, source: Optional[torch.Tensor]) -> int:
+    """Rows of ``z`` that ``normalise_`` reads from ``source`` (0 without one)."""
+    if source is None:
+        return 0
+    if source.dim() != 2 or source.shape[0] > z.shape[0] or source.shape[1] != z.shape[1]:
+        raise ValueError(f"source shape {tuple(source.shape)} does not fit logits {tuple(z.shape)}.")
+    if source.dtype != z.dtype:
+        raise ValueError(f"source dtype {source.dtype} differs from the logits' {z.dtype}.")
+    return source.shape[0]
+
+
 class TritonRowOps:
     """Triton implementation: logits stay logits; probabilities are recomputed per tile."""
 
     name = 'triton'
 
-    def normalise_(self, z: torch.Tensor, group: ProcessGroup, vocab_start: Optional[int] = None):
-        """Leaves the logits in place; returns ``((z, lse), RowStats)``."""
+    def normalise_(
+        self,
+        z: torch.Tensor,
+        group: ProcessGroup,
+        vocab_start: Optional[int] = None,
+        source: Optional[torch.Tensor] = None,
+    ):
+        """Leaves the logits in place (``source`` copied into ``z``'s first rows: the kernels read
+        one buffer); returns ``((z, lse), RowStats)``."""
+        if _check_source(z, source):
+            z[: source.shape[0]].copy_(source)
         local_max, local_logsum, local_argmax = _triton().row_stats(z, with_argmax=vocab_start is not None)
         if local_argmax is not None:
             local_argmax += vocab_start
