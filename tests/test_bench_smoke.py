@@ -188,6 +188,28 @@ def test_paired_ratio_cancels_a_slowdown_that_hits_a_whole_round():
         paired_ratio(tv, ce[:2])
 
 
+def test_ratio_cell_shows_the_range_of_its_rounds():
+    # How far one round could move a verdict: the median, then the per-round range.
+    row = {'ratio': 1.0621, 'round_ratios': [1.045, 1.078, 1.062]}
+    assert report_module._ratio(row) == '1.06x (1.04-1.08)'
+    assert report_module._ratio({'ratio': 1.1, 'round_ratios': [1.1]}) == '1.10x'  # one round
+    assert report_module._ratio({'ratio': 1.0, 'round_ratios': None}) == '1.00x'  # the baseline
+    assert report_module._ratio({'ratio': 1.2}) == '1.20x'  # a run saved before round_ratios
+
+
+def test_round_ratios_are_backfilled_for_a_paired_run_saved_without_them():
+    ce = {'case': 'mtp', 'seq': 8, 'tp': 1, 'G': 1, 'impl': 'ce', 'times_s': [1.0, 2.0],
+          'ratio_of_medians': 1.0}
+    tv = dict(ce, impl='tv', times_s=[1.1, 1.8])
+    wide_tv = dict(tv, case='wide', hidden=64)  # no CE row of its own: nothing to pair with
+    older = dict(tv, seq=16)
+    del older['ratio_of_medians']  # saved before the paired ratio: its ratio is of medians
+    rows = [ce, tv, wide_tv, older]
+    report_module.backfill_round_ratios(rows)
+    assert ce['round_ratios'] is None and tv['round_ratios'] == pytest.approx([1.1, 0.9])
+    assert wide_tv['round_ratios'] is None and 'round_ratios' not in older
+
+
 def test_products_floor():
     # CE: 3 products per MTP depth and 3 for the main head.
     assert step_products(1) == 6 and step_products(3) == 12

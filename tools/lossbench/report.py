@@ -215,6 +215,31 @@ def _spread(r: dict) -> str:
     return f"{min(r['times_s']):.2f}-{max(r['times_s']):.2f}"
 
 
+def backfill_round_ratios(rows: List[dict]) -> None:
+    """Per-round ratios for the rows of a paired run saved before they were stored: from each
+    row's ``times_s`` and its CE row's, round by round (a run of ratios of medians gets none)."""
+    def key(r):
+        return (r['case'], r['seq'], r['tp'], r['G'], r.get('hidden'))
+
+    baselines = {key(r): r['times_s'] for r in rows if r['impl'] == 'ce'}
+    for r in rows:
+        if 'round_ratios' in r or 'ratio_of_medians' not in r:
+            continue
+        base = baselines.get(key(r))
+        paired = r['impl'] != 'ce' and base is not None and len(base) == len(r['times_s'])
+        r['round_ratios'] = [t / b for t, b in zip(r['times_s'], base)] if paired else None
+
+
+def _ratio(r: dict) -> str:
+    """The ratio vs CE, with the range of its per-round ratios when there are several rounds
+    (how far one round's verdict could move; runs saved before 'round_ratios' show none)."""
+    cell = f"{r['ratio']:.2f}x"
+    rounds = r.get('round_ratios') or []
+    if len(rounds) > 1:
+        cell += f" ({min(rounds):.2f}-{max(rounds):.2f})"
+    return cell
+
+
 def _render_step(rows: List[dict], env: dict, args: dict) -> List[str]:
     source = rows[0]['target_source']
     package = env.get('loss_package', 'megatron.mtp_tv')
@@ -247,7 +272,7 @@ def _render_step(rows: List[dict], env: dict, args: dict) -> List[str]:
         floor += ")" if r['impl'] == 'ce' else f", {r['target_source']})"
         lines.append(
             f"| {r['seq']} | {r['G']} | {r['impl']} | {r['time_s']:.3f} | {_spread(r)} | "
-            f"{r['ratio']:.2f}x | {floor} | {r['floor_own']:.2f}x / {r['floor_main']:.2f}x | "
+            f"{_ratio(r)} | {floor} | {r['floor_own']:.2f}x / {r['floor_main']:.2f}x | "
             f"{_peak(r)} | {r['target']} | {_verdict(r['met'])} |")
     return lines
 
@@ -267,7 +292,7 @@ def _render_wide(rows: List[dict], args: dict) -> List[str]:
         chunk = '-' if r['impl'] == 'ce' or r.get('auto_chunk') is None else str(r['auto_chunk'])
         lines.append(
             f"| {r['hidden']} | {r['seq']} | {r['impl']} | {chunk} | {r['time_s']:.3f} | "
-            f"{_spread(r)} | {r['ratio']:.2f}x | {_peak(r)} | {r['saved_per_token']:.0f} | "
+            f"{_spread(r)} | {_ratio(r)} | {_peak(r)} | {r['saved_per_token']:.0f} | "
             f"{r['target']} | {_verdict(r['met'])} |")
     return lines
 
@@ -288,7 +313,8 @@ def render(report: dict) -> str:
     # Runs saved before the paired ratio (re-rendered with --report) have the ratio of medians.
     paired = all('ratio_of_medians' in r for r in report['rows'])
     lines[-1] += ("; ratio vs CE: the median over rounds of each round's time over CE's in the "
-                  "same round (the cases run interleaved)" if paired else
+                  "same round (the cases run interleaved), in brackets the range of those "
+                  "per-round ratios" if paired else
                   "; ratio vs CE: median time over CE's median time")
     rows = [r for r in report['rows'] if r['case'] in ('loss', 'mtp', 'tp')]
     if rows:
@@ -296,7 +322,7 @@ def render(report: dict) -> str:
                   "MiB (fwd/bwd) | saved B/token | target | met? |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = f"{r['ratio']:.2f}x"
+        ratio = _ratio(r)
         if 'ratio_vs_tp1' in r:
             ratio += f" (TP1 {r['tp1_ratio']:.2f}x; {r['ratio_vs_tp1']:.2f} of it)"
         lines.append(
