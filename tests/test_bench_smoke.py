@@ -194,10 +194,10 @@ def test_ratio_cell_shows_the_range_of_its_rounds():
     assert report_module._ratio(row) == '1.06x (1.04-1.08)'
     assert report_module._ratio({'ratio': 1.1, 'round_ratios': [1.1]}) == '1.10x'  # one round
     assert report_module._ratio({'ratio': 1.0, 'round_ratios': None}) == '1.00x'  # the baseline
-    assert report_module._ratio({'ratio': 1.2}) == '1.20x'  # a run saved before round_ratios
+    assert report_module._ratio({'ratio': 1.2}) == '1.20x'  # a run of ratios of medians
 
 
-def test_round_ratios_are_backfilled_for_a_paired_run_saved_without_them():
+def test_round_ratios_pair_each_round_with_ces_in_the_same_round():
     ce = {'case': 'mtp', 'seq': 8, 'tp': 1, 'G': 1, 'impl': 'ce', 'times_s': [1.0, 2.0],
           'ratio_of_medians': 1.0}
     tv = dict(ce, impl='tv', times_s=[1.1, 1.8])
@@ -205,7 +205,7 @@ def test_round_ratios_are_backfilled_for_a_paired_run_saved_without_them():
     older = dict(tv, seq=16)
     del older['ratio_of_medians']  # saved before the paired ratio: its ratio is of medians
     rows = [ce, tv, wide_tv, older]
-    report_module.backfill_round_ratios(rows)
+    report_module.attach_round_ratios(rows)
     assert ce['round_ratios'] is None and tv['round_ratios'] == pytest.approx([1.1, 0.9])
     assert wide_tv['round_ratios'] is None and 'round_ratios' not in older
 

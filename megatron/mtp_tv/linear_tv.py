@@ -458,10 +458,7 @@ def _sweep(draft_hidden, weight, target, token_weights, plan: _Plan, draft_grad,
                 inputs = torch.cat(drafts, out=scratch.take('inputs', (G * n, h), weight.dtype, device))
                 products.logits(inputs, raw[n_t:])
                 target_source = _target_logit_rows(
-                    target, seg, start + 1, stop + G, products, raw[:n_t],
-                    # the temperature divides f(logits) when there is a logit function f
-                    scale=plan.inv_temperature if plan.logits_fn is None else 1.0,
-                    defer_body=defer_target_copy,
+                    target, seg, start + 1, stop + G, products, raw[:n_t], defer_target_copy
                 )
             else:
                 target_rows = _virtual_rows(target, seg, start + 1, stop + G).reshape(n_t, h)
@@ -474,9 +471,7 @@ def _sweep(draft_hidden, weight, target, token_weights, plan: _Plan, draft_grad,
             # Row ops overwrite their input; with a logits function, raw stays intact for its chain rule.
             z = plan.logits_fn(raw).float() if plan.logits_fn is not None else raw
             if plan.inv_temperature != 1.0:
-                # target logit rows read from the main logits were scaled as they were copied
-                scaled_from = n_t if plan.target_is_logits and plan.logits_fn is None else 0
-                z[scaled_from:].mul_(plan.inv_temperature)
+                z = z.mul_(plan.inv_temperature)
             if ops is None:
                 ops, _ = select_row_ops(z)
             draft_rows = [slice(n_t + k * n, n_t + (k + 1) * n) for k in range(G)]
@@ -689,15 +684,15 @@ def _virtual_rows(target_hidden, seg: TargetSegment, first: int, stop: int) -> t
 
 
 def _target_logit_rows(target_logits, seg: TargetSegment, first: int, stop: int, products, out,
-                       scale: float = 1.0, defer_body: bool = False) -> Optional[torch.Tensor]:
-    """``out`` = ``scale`` times the logits of rows ``[first, stop)`` of :func:`_virtual_rows`,
-    read from the target's logits: copied (the row ops overwrite ``out`` in place, the main
-    logits must stay intact); only the halo rows, hidden states from another rank, are projected,
-    then rounded to the logits' dtype like the rows around them. Rows past the sequence without a
-    halo are zeros (their targets carry zero weight).
+                       defer_body: bool = False) -> Optional[torch.Tensor]:
+    """``out`` = the logits of rows ``[first, stop)`` of :func:`_virtual_rows`, read from the
+    target's logits: copied (the row ops overwrite ``out`` in place, the main logits must stay
+    intact); only the halo rows, hidden states from another rank, are projected, then rounded to
+    the logits' dtype like the rows around them. Rows past the sequence without a halo are zeros
+    (their targets carry zero weight).
 
-    With ``defer_body`` (``scale`` 1) the rows inside the sequence are not copied: they are
-    returned, ``[r, V/tp]``, for the row ops' softmax to read as ``out``'s first ``r`` rows
+    With ``defer_body`` the rows inside the sequence are not copied: they are returned,
+    ``[r, V/tp]``, for the row ops' softmax to read as ``out``'s first ``r`` rows
     (``normalise_(..., source=)``); None otherwise."""
     body_stop = min(stop, seg.stop)
     n_body = max(0, body_stop - first) * target_logits.shape[1]
@@ -705,25 +700,19 @@ def _target_logit_rows(target_logits, seg: TargetSegment, first: int, stop: int,
     if n_body:
         body = target_logits[first:body_stop].reshape(n_body, target_logits.shape[-1])
         if not defer_body:
-            if scale != 1.0 and body.dtype == out.dtype:
-                torch.mul(body, scale, out=out[:n_body])  # the copy and the temperature, one pass
-            else:  # bf16/fp16 logits: upcast first (a product in their dtype would round)
-                out[:n_body].copy_(body)
-                if scale != 1.0:
-                    out[:n_body].mul_(scale)
+            out[:n_body].copy_(body)
             body = None
     extra = stop - max(first, seg.stop)
-    if extra > 0:
-        tail = out[n_body:]
-        if seg.halo is None:
-            tail.zero_()
-        else:
-            halo = seg.halo[:extra].reshape(tail.shape[0], -1).to(products.weight.dtype)
-            products.logits(halo, tail)
-            if target_logits.dtype != torch.float32:
-                tail.copy_(tail.to(target_logits.dtype))
-            if scale != 1.0:
-                tail.mul_(scale)
+    if extra <= 0:
+        return body
+    tail = out[n_body:]
+    if seg.halo is None:
+        tail.zero_()
+        return body
+    halo = seg.halo[:extra].reshape(tail.shape[0], -1).to(products.weight.dtype)
+    products.logits(halo, tail)
+    if target_logits.dtype != torch.float32:
+        tail.copy_(tail.to(target_logits.dtype))
     return body
 
 

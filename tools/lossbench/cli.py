@@ -17,7 +17,7 @@ from typing import List
 import torch
 
 from .cases import loss_mode, loss_package, tv_target_source
-from .report import apply_targets, backfill_round_ratios, product_floors, render
+from .report import apply_targets, attach_round_ratios, product_floors, render
 from .runs import cpu_count, run_loss, run_mtp, run_step, run_tp, run_wide
 
 #: The row groups ``--cases`` selects from (see :mod:`lossbench`).
@@ -146,6 +146,7 @@ def main(argv=None) -> dict:
         for tp in args.tp:
             if tp > 1:
                 rows += run_tp(args, tp, log=log)
+    attach_round_ratios(rows)
     summaries = apply_targets(rows, args)
     report = {
         'command': command,
@@ -178,7 +179,7 @@ def rerender(path: str) -> dict:
     measured rows are not touched)."""
     with open(path) as f:
         report = json.load(f)
-    backfill_round_ratios(report['rows'])
+    attach_round_ratios(report['rows'])
     report['summaries'] = apply_targets(report['rows'], argparse.Namespace(**report['args']))
     report['floors'] = product_floors(report['rows'])
     print(render(report), flush=True)

@@ -215,15 +215,16 @@ def _spread(r: dict) -> str:
     return f"{min(r['times_s']):.2f}-{max(r['times_s']):.2f}"
 
 
-def backfill_round_ratios(rows: List[dict]) -> None:
-    """Per-round ratios for the rows of a paired run saved before they were stored: from each
-    row's ``times_s`` and its CE row's, round by round (a run of ratios of medians gets none)."""
+def attach_round_ratios(rows: List[dict]) -> None:
+    """Each row's per-round ratios (``round_ratios``), from its ``times_s`` and its CE row's,
+    round by round: for a fresh run and for a saved one alike. A run saved before the paired
+    ratio (no ``ratio_of_medians``: its ratio is of medians) gets none."""
     def key(r):
         return (r['case'], r['seq'], r['tp'], r['G'], r.get('hidden'))
 
     baselines = {key(r): r['times_s'] for r in rows if r['impl'] == 'ce'}
     for r in rows:
-        if 'round_ratios' in r or 'ratio_of_medians' not in r:
+        if 'ratio_of_medians' not in r:
             continue
         base = baselines.get(key(r))
         paired = r['impl'] != 'ce' and base is not None and len(base) == len(r['times_s'])
@@ -232,7 +233,7 @@ def backfill_round_ratios(rows: List[dict]) -> None:
 
 def _ratio(r: dict) -> str:
     """The ratio vs CE, with the range of its per-round ratios when there are several rounds
-    (how far one round's verdict could move; runs saved before 'round_ratios' show none)."""
+    (how far one round's verdict could move; :func:`attach_round_ratios`)."""
     cell = f"{r['ratio']:.2f}x"
     rounds = r.get('round_ratios') or []
     if len(rounds) > 1:
