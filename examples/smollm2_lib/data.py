@@ -1,25 +1,53 @@
 """The demo's two text domains, tokenised with SmolLM2's own tokenizer (49152 tokens).
 
-The same texts as the toy demo (``cpu_demo_lib.corpus``), no download: domain A is the Python
-standard library's top-level sources (code; its first ``max_chars`` characters, enough for the
-warm heads' pretraining and cheap to tokenise), domain B the English ``pydoc_data.topics``. The
-held-out split interleaves blocks of ``BLOCK`` tokens, as the toy's does with bytes.
+No download: domain B is the English ``pydoc_data.topics`` (the ``help()`` topics, about 120k
+tokens), domain A the Python standard library's top-level sources (code; the first ``max_chars``
+characters). Each is cut into blocks of :data:`BLOCK` consecutive tokens, and the blocks are dealt
+into three splits by position (interleaved, so that every split spans the whole text):
+
+* ``train``: 7 blocks in 10; a training window is one block (inputs ``[:-1]``, labels ``[1:]``);
+* ``validation``: 1 in 10, for the learning-rate sweep and the held-out curves;
+* ``test``: 2 in 10, for every reported number: teacher-forced windows, and the prompts of the
+  speculative runs and of the main model's sampled continuations.
+
+A window never crosses from one split into another.
 """
 
 import hashlib
-from typing import Optional
+from dataclasses import dataclass
+from typing import Dict, Optional
 
 import torch
 
-from cpu_demo_lib.corpus import Corpus, pydoc_topics_bytes, split_held_out, stdlib_sources_bytes
+from cpu_demo_lib.corpus import pydoc_topics_bytes, stdlib_sources_bytes
 
-#: Held-out blocks of this many tokens (about the toy's 2048 bytes).
-BLOCK = 512
+#: Tokens per block: a 512-token training window and its labels.
+BLOCK = 513
+#: ``block index % 10`` -> split.
+SPLIT_OF = {0: 'train', 1: 'train', 2: 'train', 3: 'train', 4: 'validation', 5: 'train',
+            6: 'train', 7: 'test', 8: 'train', 9: 'test'}
 
 
-def load_domain(name: str, which: str, tokenizer, min_tokens: int,
-                max_chars: Optional[int] = None) -> Corpus:
-    """Domain ``which`` ('stdlib' or 'pydoc') as token ids with a train / held-out split."""
+@dataclass
+class Domain:
+    """One domain's blocks per split: ``[n, BLOCK]`` int64 tensors."""
+
+    name: str
+    source: str
+    train: torch.Tensor
+    validation: torch.Tensor
+    test: torch.Tensor
+    sha256: str
+
+    def describe(self) -> Dict:
+        return {'name': self.name, 'source': self.source, 'block_tokens': BLOCK,
+                'blocks': {s: int(getattr(self, s).shape[0])
+                           for s in ('train', 'validation', 'test')},
+                'sha256': self.sha256}
+
+
+def load_domain(name: str, which: str, tokenizer, max_chars: Optional[int] = None) -> Domain:
+    """Domain ``which`` (``'stdlib'`` or ``'pydoc'``) as blocks of token ids per split."""
     if which == 'stdlib':
         data, source = stdlib_sources_bytes(), 'python stdlib *.py sources'
     elif which == 'pydoc':
@@ -30,7 +58,13 @@ def load_domain(name: str, which: str, tokenizer, min_tokens: int,
     if max_chars is not None and len(text) > max_chars:
         text, source = text[:max_chars], f'{source}, first {max_chars} characters'
     ids = tokenizer(text, add_special_tokens=False, verbose=False)['input_ids']
-    tokens = torch.tensor(ids, dtype=torch.long)
-    train, held_out = split_held_out(tokens, name, source, min_tokens, BLOCK)
-    encoded = text.encode('utf-8')
-    return Corpus(name, source, train, held_out, len(encoded), hashlib.sha256(encoded).hexdigest())
+    blocks = torch.tensor(ids[: len(ids) // BLOCK * BLOCK], dtype=torch.long).view(-1, BLOCK)
+    split = [SPLIT_OF[i % 10] for i in range(blocks.shape[0])]
+    parts = {s: blocks[[i for i, x in enumerate(split) if x == s]]
+             for s in ('train', 'validation', 'test')}
+    for s, part in parts.items():
+        if part.shape[0] == 0:
+            raise ValueError(f'domain {name} ({source}) has {len(ids)} tokens: no {s} block of '
+                             f'{BLOCK}; raise max_chars')
+    return Domain(name, source, parts['train'], parts['validation'], parts['test'],
+                  hashlib.sha256(text.encode('utf-8')).hexdigest())

@@ -1,0 +1,664 @@
+"""The SmolLM2 experiment: its presets, its parts, and a store that lets a rerun skip what is done.
+
+Scenarios (each a sequence of *parts*; a part trains one arm or one backbone and evaluates it):
+
+* ``cold``: fresh MTP heads (one depth) on the pretrained backbone, trained on English docs
+  (domain B) with every loss of the registry whose one-depth objective is its own (``'e2e_tv'``
+  is ``'tv'`` at one depth: it joins the chain), each at its best learning rate of a short sweep
+  on the validation split (``sweep_cold_*``), for each seed (``cold_<loss>_s<seed>``);
+* ``chain``: fresh heads with ``chain_depths`` depths, ``'tv'``, ``'e2e_tv'`` and the best
+  one-depth loss on the validation split (``chain_<loss>``);
+* ``graft``: the ``'ce'`` head of ``cold_ce_s0`` (the "official" head, trained on the original
+  backbone) grafted onto the backbone fine-tuned on code (domain A) without heads (``sft``), and
+  healed there on code with every loss (``heal_<loss>_s<seed>``, learning rates from
+  ``sweep_heal_*``); ``graft_before`` / ``graft_drifted`` measure the head before and after the
+  drift;
+* ``joint``: the same fine-tuning with the official head attached and trained together with the
+  backbone (``joint_ce``, ``joint_tv``): acceptance, and the main model's own held-out loss
+  against ``sft``'s.
+
+Every part writes ``<results>/parts/<name>.json`` when it finishes (``--commit`` also commits it);
+a rerun loads the parts whose settings fingerprint matches and runs only the rest. Weights a later
+part needs (the official head, the fine-tuned backbone) are kept in the cache folder, and
+retrained from their part's settings where a fresh machine lacks them.
+"""
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+#: Bumped when a change to the code changes what a part computes: old parts are then rerun.
+EXPERIMENT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Sizes of one run. Steps are optimiser steps of ``batch`` windows of 512 tokens."""
+
+    name: str
+    scenarios: Tuple[str, ...]
+    seeds: Tuple[int, ...]
+    batch: int = 2
+    cold_steps: int = 100
+    lr_grid: Tuple[float, ...] = (1e-3, 3e-3, 1e-2)
+    """Learning rates of the sweeps (one value: no sweep)."""
+    sweep_fraction: float = 1 / 3
+    """A sweep arm trains this fraction of its scenario's steps."""
+    chain_depths: int = 3
+    chain_steps: int = 80
+    sft_steps: int = 60
+    sft_lr: float = 1e-4
+    heal_steps: int = 50
+    heal_lr_grid: Tuple[float, ...] = (3e-4, 1e-3, 3e-3)
+    joint_steps: int = 60
+    joint_mtp_scale: float = 0.1
+    lk_eta: float = 3.0
+    serving_temperature: float = 0.7
+    curve_points: int = 6
+    """Held-out (validation) evaluations per arm, evenly spaced, the last at the end."""
+    context: int = 256
+    """Scored positions have at least this many tokens of context; prompts are this long."""
+    tf_windows: int = 32
+    validation_windows: int = 8
+    continuation_prompts: int = 32
+    spec_prompts: int = 92
+    spec_rounds: int = 12
+    stdlib_chars: int = 1_500_000
+    threads: int = 2
+
+    def fingerprint(self) -> str:
+        body = json.dumps({**dataclasses.asdict(self), 'version': EXPERIMENT_VERSION},
+                          sort_keys=True)
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def _all_losses() -> List[str]:
+    from megatron.mtp_tv.losses import LOSSES
+
+    return ['ce'] + list(LOSSES)
+
+
+def depth_one_losses() -> List[str]:
+    """``'ce'`` and the registry's losses whose objective is per depth (``per_chain`` losses
+    equal a per-depth one at one depth and join the chain scenario instead)."""
+    from megatron.mtp_tv.losses import LOSSES
+
+    return ['ce'] + [name for name, cls in LOSSES.items() if not cls.per_chain]
+
+
+def chain_losses() -> List[str]:
+    from megatron.mtp_tv.losses import LOSSES
+
+    return ['tv'] + [name for name, cls in LOSSES.items() if cls.per_chain]
+
+
+PRESETS: Dict[str, Preset] = {
+    'long': Preset(name='long', scenarios=('cold', 'graft', 'joint', 'chain'), seeds=(0, 1)),
+    'default': Preset(name='default', scenarios=('cold',), seeds=(0,), cold_steps=40,
+                      lr_grid=(3e-3,), curve_points=4, spec_prompts=92, spec_rounds=12),
+    # The code paths of both presets at toy sizes (tests/test_smollm2.py).
+    'smoke': Preset(name='smoke', scenarios=('cold', 'graft', 'joint', 'chain'), seeds=(0, 1),
+                    cold_steps=3, lr_grid=(1e-3, 3e-3), chain_depths=2, chain_steps=2,
+                    sft_steps=2, heal_steps=3, heal_lr_grid=(1e-3, 3e-3), joint_steps=2,
+                    curve_points=2, context=8, tf_windows=2, validation_windows=2,
+                    continuation_prompts=2, spec_prompts=3, spec_rounds=2, stdlib_chars=60_000,
+                    batch=1),
+}
+
+
+class Store:
+    """``<directory>/parts/<name>.json``, each stamped with the preset's fingerprint."""
+
+    def __init__(self, directory: str, fingerprint: str, commit: bool = False):
+        self.directory = os.path.abspath(directory)
+        self.fingerprint = fingerprint
+        self.commit = commit
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.directory, 'parts', f'{name}.json')
+
+    def load(self, name: str) -> Optional[Dict]:
+        try:
+            with open(self.path(name)) as f:
+                record = json.load(f)
+        except FileNotFoundError:
+            return None
+        return record if record.get('fingerprint') == self.fingerprint else None
+
+    def save(self, name: str, record: Dict) -> Dict:
+        record = {'part': name, 'fingerprint': self.fingerprint, **record}
+        path = self.path(name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + '.tmp', 'w') as f:
+            json.dump(record, f, indent=1)
+            f.write('\n')
+        os.replace(path + '.tmp', path)  # a killed run never leaves half a part behind
+        if self.commit:
+            self._commit(name, path)
+        return record
+
+    def _commit(self, name: str, path: str) -> None:
+        """Commit one part file alone; a failure (another git command holding the index) is
+        retried, then reported, never fatal: the file is written and a rerun keeps it."""
+        for attempt in range(5):
+            add = subprocess.run(['git', 'add', path], cwd=self.directory, capture_output=True)
+            done = add.returncode == 0 and subprocess.run(
+                ['git', 'commit', '-q', '-m', f'smollm2 results: part {name}', '--', path],
+                cwd=self.directory, capture_output=True).returncode == 0
+            if done:
+                return
+            time.sleep(2 + 3 * attempt)
+        print(f'part {name}: written, but git commit failed; commit {path} by hand',
+              flush=True)
+
+    def all(self) -> Dict[str, Dict]:
+        folder = os.path.join(self.directory, 'parts')
+        names = sorted(n[:-5] for n in os.listdir(folder) if n.endswith('.json')) \
+            if os.path.isdir(folder) else []
+        return {n: r for n in names if (r := self.load(n)) is not None}
+
+
+def schedule_points(steps: int, count: int) -> List[int]:
+    """``count`` evaluation steps evenly spaced over ``1 .. steps``, the last at ``steps``."""
+    return sorted({max(1, round(steps * i / count)) for i in range(1, count + 1)})
+
+
+def window_order(count: int, steps: int, batch: int, seed: int) -> torch.Tensor:
+    """``[steps, batch]`` indices of training windows: seeded permutations, epoch after epoch."""
+    generator = torch.Generator().manual_seed(seed)
+    need = steps * batch
+    order = torch.cat([torch.randperm(count, generator=generator)
+                       for _ in range(math.ceil(need / count))])
+    return order[:need].view(steps, batch)
+
+
+@dataclass
+class BackboneSets:
+    """What every arm on one backbone is evaluated on (built once, on demand)."""
+
+    tf_test: object = None
+    tf_validation: object = None
+    tf_continuation: object = None
+    prompts: object = None
+    train_states: Dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class Experiment:
+    """Runs the parts of ``preset`` that ``store`` lacks."""
+
+    def __init__(self, preset: Preset, store: Store, cache_dir: Optional[str],
+                 log: Callable[[str], None] = print):
+        """``cache_dir``: the converted checkpoint's folder (``weights.load_hf``; None: its
+        default, '' none); weights later parts need go to ``<it>/runs/``."""
+        self.preset, self.store, self.log = preset, store, log
+        from smollm2_lib.weights import default_cache_dir
+
+        self.cache_dir = cache_dir
+        root = default_cache_dir() if cache_dir is None else cache_dir
+        self.weights_dir = (os.path.join(root, 'runs', preset.name, store.fingerprint)
+                            if root else None)
+        self.records: Dict[str, Dict] = {}
+        self.kept: Dict[str, Dict] = {}
+        self.models: Dict[Tuple, object] = {}
+        self.fresh: Dict[Tuple[int, int], Dict] = {}
+        self.timings: Dict[str, float] = {}
+
+    # ------------------------------------------------------------------ set-up
+
+    def setup(self) -> None:
+        from smollm2_lib import data as DATA
+        from smollm2_lib import weights as W
+
+        p = self.preset
+        t0 = time.monotonic()
+        hf_model, tokenizer = W.load_hf(self.cache_dir)
+        self.hf_config = hf_model.config
+        self.domains = {'B': DATA.load_domain('B', 'pydoc', tokenizer),
+                        'A': DATA.load_domain('A', 'stdlib', tokenizer, p.stdlib_chars)}
+        model = self.build(None, 'ce')
+        W.load_backbone(model, hf_model)
+        self.original = self.backbone_of(model)
+        del hf_model
+        self.sets: Dict[Tuple[str, str], BackboneSets] = {}
+        self.timings['setup'] = time.monotonic() - t0
+
+    def build(self, depths: Optional[int], loss: str, joint: bool = False, seed: int = 0,
+              backbone: Optional[Dict] = None, heads: Optional[Dict] = None):
+        """A GPTModel with ``depths`` MTP depths (None: none) trained with ``loss``; heads-only
+        (``mtp_detach_heads``, scale 1) unless ``joint``; the given backbone and heads, else
+        fresh heads (Megatron's initialisation seeded by ``seed``).
+
+        One model per configuration is built and then reloaded (building initialises 135M
+        parameters): a later call with the same configuration returns the same object, so an
+        arm builds its model after its evaluation sets (built on a model without heads).
+        Megatron's MTP tracker is emptied, since its size is the depth count."""
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        from smollm2_lib import weights as W
+
+        def make(build_seed):
+            overrides = {} if depths is None else dict(
+                mtp_loss_type=loss, mtp_detach_heads=not joint,
+                mtp_loss_scaling_factor=self.preset.joint_mtp_scale if joint else 1.0,
+                mtp_lk_eta=self.preset.lk_eta)
+            return W.build_megatron(self.hf_config, depths, 512, seed=build_seed * 1000 + 5,
+                                    **overrides)
+
+        key = (depths, loss, joint)
+        if key not in self.models:
+            self.models[key] = make(seed)
+            if depths is not None:
+                self.fresh.setdefault((depths, seed), self.heads_of(self.models[key]))
+        model = self.models[key]
+        if depths is not None and heads is None:
+            if (depths, seed) not in self.fresh:
+                self.fresh[(depths, seed)] = self.heads_of(make(seed))
+            heads = self.fresh[(depths, seed)]
+        model.load_state_dict({**model.state_dict(), **(backbone or {}), **(heads or {})})
+        MTPLossLoggingHelper.tracker.clear()
+        return model
+
+    def backbone_sets(self, backbone_name: str, backbone: Dict, domain: str,
+                      need: Tuple[str, ...]) -> BackboneSets:
+        """Evaluation sets of one (backbone, domain), built on first use and kept."""
+        from smollm2_lib import evaluate as E
+        from smollm2_lib import heads as H
+
+        p = self.preset
+        sets = self.sets.setdefault((backbone_name, domain), BackboneSets())
+        missing = [n for n in need if getattr(sets, n) is None]
+        if not missing:
+            return sets
+        t0 = time.monotonic()
+        model = self.build(None, 'ce', backbone=backbone)  # no heads: states and logits
+        blocks = self.domains[domain]
+        window = p.context * 2
+        label = f'{backbone_name} backbone, domain {domain}'
+        for name in missing:
+            if name == 'tf_test':
+                windows = blocks.test[: p.tf_windows, :window]
+                states = H.cache_states(model, windows, 4, f'{label}: test windows')
+                sets.tf_test = E.TeacherForcedSet.build('test', model, windows, states, p.context)
+            elif name == 'tf_validation':
+                windows = blocks.validation[: p.validation_windows, :window]
+                states = H.cache_states(model, windows, 4, f'{label}: validation windows')
+                sets.tf_validation = E.TeacherForcedSet.build('validation', model, windows,
+                                                              states, p.context)
+            elif name == 'tf_continuation':
+                # the last test blocks' openings, continued by the main model itself at T=1
+                prompts = blocks.test[-p.continuation_prompts:, : p.context]
+                windows = E.generate(model, prompts, p.context, 1.0, seed=17)
+                states = H.cache_states(model, windows, 4, f'{label}: sampled continuations')
+                sets.tf_continuation = E.TeacherForcedSet.build('continuation', model, windows,
+                                                                states, p.context)
+            elif name == 'prompts':
+                halves = blocks.test[:, : 2 * p.context].reshape(-1, p.context)
+                tokens = halves[: p.spec_prompts]
+                capacity = p.context + p.spec_rounds * (p.chain_depths + 1) + 2 * p.chain_depths + 2
+                sets.prompts = E.Prompts.prefill(model, tokens, capacity)
+        self.timings[f'eval_sets {label}'] = (self.timings.get(f'eval_sets {label}', 0.0)
+                                              + time.monotonic() - t0)
+        return sets
+
+    def train_states(self, backbone_name: str, backbone: Dict, domain: str,
+                     indices: torch.Tensor) -> Dict[int, torch.Tensor]:
+        """The backbone's states ``[512, 1, h]`` of the training windows ``indices``."""
+        from smollm2_lib import heads as H
+
+        sets = self.sets.setdefault((backbone_name, domain), BackboneSets())
+        todo = sorted({int(i) for i in indices.flatten()} - set(sets.train_states))
+        if todo:
+            model = self.build(None, 'ce', backbone=backbone)  # no heads: states and logits
+            windows = self.domains[domain].train[todo, :-1]
+            states = H.cache_states(model, windows, 4,
+                                    f'{backbone_name} backbone, domain {domain}: train windows')
+            for j, i in enumerate(todo):
+                sets.train_states[i] = states[:, j : j + 1]
+        return sets.train_states
+
+    # ------------------------------------------------------------------ training
+
+    def train_heads(self, model, backbone_name: str, backbone: Dict, domain: str, steps: int,
+                    lr: float, seed: int, validation: Optional[object]) -> Dict:
+        """Heads only, on cached backbone states; returns the curves."""
+        from cpu_demo_lib import model as M
+        from smollm2_lib import heads as H
+
+        p = self.preset
+        order = window_order(self.domains[domain].train.shape[0], steps, p.batch, seed)
+        states = self.train_states(backbone_name, backbone, domain, order)
+        params = H.freeze_backbone(model)
+        optimizer, schedule = M.make_optimizer(params, lr, steps)
+        curve = {'step': [], 'mtp_loss': [], 'grad_norm': [], 'validation': []}
+        points = set(schedule_points(steps, p.curve_points)) if validation is not None else set()
+        gamma = model.config.mtp_num_layers
+        for step in range(1, steps + 1):
+            rows = order[step - 1]
+            blocks = self.domains[domain].train[rows]
+            main = torch.cat([states[int(i)] for i in rows], dim=1)
+            stats = H.train_step(model, optimizer, blocks[:, :-1], blocks[:, 1:], main, None)
+            schedule.step()
+            curve['step'].append(step)
+            curve['mtp_loss'].append(stats['mtp_loss'])
+            curve['grad_norm'].append(stats['grad_norm'])
+            if step in points:
+                curve['validation'].append({'step': step, **self.validation_summary(
+                    model, validation, gamma)})
+        return curve
+
+    def train_full(self, model, domain: str, steps: int, lr: float, seed: int,
+                   validation: Optional[Callable] = None) -> Dict:
+        """Backbone (and heads, if the model has them) on the main loss (+ the MTP loss)."""
+        from cpu_demo_lib import model as M
+
+        p = self.preset
+        order = window_order(self.domains[domain].train.shape[0], steps, 1, seed)
+        params = M.set_trainable(model, 'all')
+        optimizer, schedule = M.make_optimizer(params, lr, steps)
+        curve = {'step': [], 'main_loss': [], 'mtp_loss': [], 'grad_norm': [], 'validation': []}
+        points = set(schedule_points(steps, max(2, p.curve_points // 2))) if validation else set()
+        for step in range(1, steps + 1):
+            blocks = self.domains[domain].train[order[step - 1]]
+            stats: Dict = {}
+            main = M.train_step(model, optimizer, blocks[:, :-1], blocks[:, 1:], clip=1.0,
+                                stats=stats)
+            schedule.step()
+            losses = M.mtp_tracker_losses()
+            curve['step'].append(step)
+            curve['main_loss'].append(main)
+            curve['mtp_loss'].append(None if losses is None else float(losses.mean()))
+            curve['grad_norm'].append(stats['grad_norm'])
+            if step in points:
+                curve['validation'].append({'step': step, **validation(model)})
+        return curve
+
+    # ------------------------------------------------------------------ evaluation
+
+    def validation_summary(self, model, validation, gamma: int) -> Dict:
+        from smollm2_lib import evaluate as E
+
+        tf = E.teacher_forced(model, validation, gamma, self.preset.serving_temperature)
+        return {mode: {'accepted': tf[mode]['accepted']['mean'],
+                       'alpha': [a['mean'] for a in tf[mode]['alpha']]}
+                for mode in (E.SAMPLED, E.GREEDY)}
+
+    def final_eval(self, model, sets: BackboneSets, gamma: int, seed: int = 29) -> Dict:
+        """Teacher-forced on test text (and sampled continuations where built), speculative
+        decoding at T=1 and greedy on the test prompts (common random numbers: ``seed``)."""
+        from smollm2_lib import evaluate as E
+
+        p = self.preset
+        out = {'tf_test': E.teacher_forced(model, sets.tf_test, gamma, p.serving_temperature)}
+        if sets.tf_continuation is not None:
+            out['tf_continuation'] = E.teacher_forced(model, sets.tf_continuation, gamma,
+                                                      p.serving_temperature)
+        for key, temperature in (('spec_sampled', 1.0), ('spec_greedy', 0.0)):
+            out[key] = E.speculative_decoding(model, sets.prompts, gamma, p.spec_rounds,
+                                              temperature, seed)
+        return out
+
+    @staticmethod
+    def main_model_loss(sets: BackboneSets) -> Dict:
+        """The main model's held-out NLL per token on the test windows (context >= t0 + 1)."""
+        data = sets.tf_test
+        z = data.target_logits[:-1]  # positions t0+1 .. S-2 predict tokens t0+2 .. S-1
+        labels = data.windows[:, data.t0 + 2 :].transpose(0, 1)
+        nll = torch.nn.functional.cross_entropy(z.reshape(-1, z.shape[-1]), labels.reshape(-1),
+                                                reduction='none').view(labels.shape)
+        from smollm2_lib.evaluate import mean_and_se
+
+        return {'nll': mean_and_se(nll.mean(0)), 'per_window': nll.mean(0).tolist()}
+
+    # ------------------------------------------------------------------ parts
+
+    def part(self, name: str, run: Callable[[], Dict]) -> Dict:
+        """Load part ``name`` or run and store it."""
+        if name in self.records:
+            return self.records[name]
+        record = self.store.load(name)
+        if record is None:
+            self.log(f'part {name}: running')
+            t0, cpu0 = time.monotonic(), time.process_time()
+            record = run()
+            record['wall_s'] = time.monotonic() - t0
+            record['cpu_s'] = time.process_time() - cpu0
+            record['load_average'] = list(os.getloadavg())
+            record = self.store.save(name, record)
+            self.log(f'part {name}: done in {record["wall_s"]:.0f} s')
+        self.records[name] = record
+        return record
+
+    def _weights_path(self, name: str) -> Optional[str]:
+        return None if self.weights_dir is None else os.path.join(self.weights_dir, f'{name}.pt')
+
+    def keep(self, name: str, record: Dict, state: Dict) -> Dict:
+        """Cache ``state`` (weights a later part needs) and return ``record``."""
+        path = self._weights_path(name)
+        if path:
+            os.makedirs(self.weights_dir, exist_ok=True)
+            torch.save(state, path + '.tmp')
+            os.replace(path + '.tmp', path)
+        self.kept[name] = state
+        return record
+
+    def kept_weights(self, name: str, remake: Callable[[], Dict]) -> Dict:
+        """Weights :meth:`keep` cached: in memory, in the cache folder, else ``remake()``."""
+        if name not in self.kept:
+            path = self._weights_path(name)
+            if path and os.path.exists(path):
+                self.kept[name] = torch.load(path)
+            else:
+                self.log(f'{name}: not in the cache folder; retraining it')
+                self.keep(name, {}, remake())
+        return self.kept[name]
+
+    @staticmethod
+    def heads_of(model) -> Dict:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()
+                if k.startswith('mtp.') and torch.is_tensor(v)}
+
+    @staticmethod
+    def backbone_of(model) -> Dict:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()
+                if not k.startswith('mtp.') and torch.is_tensor(v)}
+
+    def best_lr(self, kind: str, loss: str, grid: Tuple[float, ...], steps: int,
+                run_arm: Callable[..., Tuple[Dict, Dict]]) -> float:
+        """The grid's learning rate with the best validation accepted drafts (T=1) after a
+        ``sweep_fraction`` run from seed 0; the grid's only value without a sweep."""
+        if len(grid) == 1:
+            return grid[0]
+        sweep_steps = max(1, round(steps * self.preset.sweep_fraction))
+        scores = {}
+        for lr in grid:
+            record = self.part(f'sweep_{kind}_{loss}_lr{lr:g}',
+                               lambda lr=lr: run_arm(loss, lr, 0, sweep_steps)[0])
+            scores[lr] = record['curve']['validation'][-1]['sampled']['accepted']
+        return max(grid, key=lambda lr: scores[lr])
+
+    # cold and chain ----------------------------------------------------------
+
+    def cold_arm(self, loss: str, lr: float, seed: int, steps: int, depths: int = 1,
+                 final: bool = False) -> Tuple[Dict, Dict]:
+        """Fresh heads (seeded by ``seed``) on the original backbone, trained on domain B:
+        ``(record, heads)``."""
+        sets = self.backbone_sets('original', self.original, 'B', ('tf_validation',) + (
+            ('tf_test', 'tf_continuation', 'prompts') if final else ()))
+        model = self.build(depths, loss, seed=seed, backbone=self.original)
+        curve = self.train_heads(model, 'original', self.original, 'B', steps, lr, seed,
+                                 sets.tf_validation)
+        record = {'scenario': 'chain' if depths > 1 else 'cold', 'loss': loss, 'lr': lr,
+                  'seed': seed, 'steps': steps, 'depths': depths, 'curve': curve}
+        if final:
+            record['final'] = self.final_eval(model, sets, depths)
+        return record, self.heads_of(model)
+
+    def run_cold(self) -> Dict[str, float]:
+        """Every part of the cold scenario; returns each loss's chosen learning rate."""
+        p = self.preset
+
+        def init():
+            sets = self.backbone_sets('original', self.original, 'B', (
+                'tf_validation', 'tf_test', 'tf_continuation', 'prompts'))
+            model = self.build(1, 'ce', seed=0, backbone=self.original)
+            return {'scenario': 'cold', 'loss': None, 'depths': 1,
+                    'validation': self.validation_summary(model, sets.tf_validation, 1),
+                    'final': self.final_eval(model, sets, 1),
+                    'main_model': self.main_model_loss(sets)}
+
+        self.part('cold_init', init)
+        lrs = {}
+        for loss in depth_one_losses():
+            lrs[loss] = self.best_lr('cold', loss, p.lr_grid, p.cold_steps, self.cold_arm)
+            for seed in p.seeds:
+                def arm(loss=loss, seed=seed):
+                    record, heads = self.cold_arm(loss, lrs[loss], seed, p.cold_steps, final=True)
+                    official = (loss, seed) == ('ce', 0)  # the graft scenario's official head
+                    return self.keep('official_head', record, heads) if official else record
+
+                self.part(f'cold_{loss}_s{seed}', arm)
+        return lrs
+
+    def official_head(self, lrs: Dict[str, float]) -> Dict:
+        """The heads of part ``cold_ce_s0`` (an official head: 'ce' on the original model)."""
+        return self.kept_weights('official_head', lambda: self.cold_arm(
+            'ce', lrs['ce'], 0, self.preset.cold_steps)[1])
+
+    def run_chain(self, lrs: Dict[str, float]) -> None:
+        p = self.preset
+        cold = {loss: self.records.get(f'cold_{loss}_s0') for loss in depth_one_losses()}
+        best = max((loss for loss, r in cold.items() if r is not None),
+                   key=lambda loss: cold[loss]['curve']['validation'][-1]['sampled']['accepted'])
+        for loss in dict.fromkeys(chain_losses() + [best]):
+            lr = lrs.get(loss, lrs['tv'])  # a per-chain loss is 'tv' at one depth
+            self.part(f'chain_{loss}', lambda loss=loss, lr=lr: {
+                **self.cold_arm(loss, lr, 0, p.chain_steps, depths=p.chain_depths, final=True)[0],
+                'chosen_as': ('the best one-depth loss on validation' if loss == best
+                              else 'chain')})
+
+    # graft and joint ---------------------------------------------------------
+
+    def fine_tune(self) -> Tuple[Dict, Dict]:
+        """The original backbone fine-tuned on code (domain A), no MTP heads: the SFT that moves
+        the main model away from its official head. ``(curve, backbone)``."""
+        p = self.preset
+        model = self.build(None, 'ce', backbone=self.original)
+        curve = self.train_full(model, 'A', p.sft_steps, p.sft_lr, seed=41)
+        return curve, self.backbone_of(model)
+
+    def sft_backbone(self) -> Dict:
+        p = self.preset
+
+        def run():
+            before = self.main_losses('original', self.original)
+            curve, backbone = self.fine_tune()
+            record = {'scenario': 'graft', 'steps': p.sft_steps, 'lr': p.sft_lr, 'curve': curve,
+                      'main_model_before': before,
+                      'main_model': self.main_losses('sft', backbone)}
+            return self.keep('sft_backbone', record, backbone)
+
+        self.part('sft', run)
+        return self.kept_weights('sft_backbone', lambda: self.fine_tune()[1])
+
+    def main_losses(self, name: str, backbone: Dict) -> Dict:
+        """The main model's held-out loss on both domains' test windows."""
+        return {d: self.main_model_loss(self.backbone_sets(name, backbone, d, ('tf_test',)))
+                for d in ('A', 'B')}
+
+    def heal_arm(self, loss: str, lr: float, seed: int, steps: int,
+                 final: bool = False) -> Tuple[Dict, Dict]:
+        """The official head on the fine-tuned backbone, healed on code with ``loss``."""
+        sft = self.sft_state
+        sets = self.backbone_sets('sft', sft, 'A', ('tf_validation',) + (
+            ('tf_test', 'tf_continuation', 'prompts') if final else ()))
+        model = self.build(1, loss, backbone=sft, heads=self.official)
+        curve = self.train_heads(model, 'sft', sft, 'A', steps, lr, seed, sets.tf_validation)
+        record = {'scenario': 'graft', 'loss': loss, 'lr': lr, 'seed': seed, 'steps': steps,
+                  'depths': 1, 'curve': curve}
+        if final:
+            record['final'] = self.final_eval(model, sets, 1)
+        return record, self.heads_of(model)
+
+    def run_graft(self, lrs: Dict[str, float]) -> None:
+        from smollm2_lib import evaluate as E
+
+        p = self.preset
+        self.official = self.official_head(lrs)
+        self.sft_state = self.sft_backbone()
+
+        def before():  # the official head on the model it was trained for, on code
+            sets = self.backbone_sets('original', self.original, 'A',
+                                      ('tf_test', 'tf_validation'))
+            model = self.build(1, 'ce', backbone=self.original, heads=self.official)
+            return {'scenario': 'graft', 'loss': None, 'depths': 1,
+                    'validation': self.validation_summary(model, sets.tf_validation, 1),
+                    'final': {'tf_test': E.teacher_forced(model, sets.tf_test, 1,
+                                                          p.serving_temperature)}}
+
+        def drifted():  # the same head grafted onto the fine-tuned model, not healed
+            sets = self.backbone_sets('sft', self.sft_state, 'A', (
+                'tf_validation', 'tf_test', 'tf_continuation', 'prompts'))
+            model = self.build(1, 'ce', backbone=self.sft_state, heads=self.official)
+            return {'scenario': 'graft', 'loss': None, 'depths': 1,
+                    'validation': self.validation_summary(model, sets.tf_validation, 1),
+                    'final': self.final_eval(model, sets, 1)}
+
+        self.part('graft_before', before)
+        self.part('graft_drifted', drifted)
+        for loss in depth_one_losses():
+            lr = self.best_lr('heal', loss, p.heal_lr_grid, p.heal_steps, self.heal_arm)
+            for seed in p.seeds:
+                self.part(f'heal_{loss}_s{seed}', lambda loss=loss, lr=lr, seed=seed:
+                          self.heal_arm(loss, lr, seed, p.heal_steps, final=True)[0])
+
+    def joint_arm(self, loss: str) -> Dict:
+        """The SFT of :meth:`fine_tune` with the official head attached and trained together
+        with the backbone (``mtp_detach_heads=False``, Megatron's MTP loss scale)."""
+        from smollm2_lib import evaluate as E
+        from smollm2_lib import heads as H
+
+        p = self.preset
+        name = f'joint_{loss}'
+        model = self.build(1, loss, joint=True, backbone=self.original, heads=self.official)
+
+        def validation(m):  # the backbone moves: its validation states are recomputed
+            windows = self.domains['A'].validation[: p.validation_windows, : 2 * p.context]
+            states = H.cache_states(m, windows, 4, f'{name}: validation windows')
+            data = E.TeacherForcedSet.build('validation', m, windows, states, p.context)
+            return self.validation_summary(m, data, 1)
+
+        curve = self.train_full(model, 'A', p.joint_steps, p.sft_lr, seed=41,
+                                validation=validation)
+        backbone = self.backbone_of(model)
+        sets = self.backbone_sets(name, backbone, 'A', ('tf_test', 'prompts'))
+        record = {'scenario': 'joint', 'loss': loss, 'lr': p.sft_lr, 'steps': p.joint_steps,
+                  'depths': 1, 'mtp_loss_scaling_factor': p.joint_mtp_scale, 'curve': curve,
+                  'final': self.final_eval(model, sets, 1),
+                  'main_model': self.main_losses(name, backbone)}
+        for key in [k for k in self.sets if k[0] == name]:
+            del self.sets[key]  # this backbone is not seen again
+        return record
+
+    def run_joint(self, lrs: Dict[str, float]) -> None:
+        self.official = self.official_head(lrs)
+        for loss in ('ce', 'tv'):
+            self.part(f'joint_{loss}', lambda loss=loss: self.joint_arm(loss))
+
+    def run(self) -> Dict[str, Dict]:
+        scenarios = self.preset.scenarios
+        lrs = self.run_cold() if 'cold' in scenarios else {}
+        if 'graft' in scenarios:
+            self.run_graft(lrs)
+        if 'joint' in scenarios:
+            self.run_joint(lrs)
+        if 'chain' in scenarios:
+            self.run_chain(lrs)
+        return self.store.all()
