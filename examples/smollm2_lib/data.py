@@ -2,7 +2,7 @@
 
 No download: domain B is the English ``pydoc_data.topics`` (the ``help()`` topics, about 120k
 tokens), domain A the Python standard library's top-level sources (code; the first ``max_chars``
-characters). Each is cut into blocks of :data:`BLOCK` consecutive tokens, and the blocks are dealt
+characters). Each is cut into blocks of consecutive tokens (:data:`BLOCK` by default), and the blocks are dealt
 into three splits by position (interleaved, so that every split spans the whole text):
 
 * ``train``: 7 blocks in 10; a training window is one block (inputs ``[:-1]``, labels ``[1:]``);
@@ -21,7 +21,7 @@ import torch
 
 from cpu_demo_lib.corpus import pydoc_topics_bytes, stdlib_sources_bytes
 
-#: Tokens per block: a 512-token training window and its labels.
+#: Tokens per block by default: a 512-token training window and its labels.
 BLOCK = 513
 #: ``block index % 10`` -> split.
 SPLIT_OF = {0: 'train', 1: 'train', 2: 'train', 3: 'train', 4: 'validation', 5: 'train',
@@ -30,7 +30,7 @@ SPLIT_OF = {0: 'train', 1: 'train', 2: 'train', 3: 'train', 4: 'validation', 5: 
 
 @dataclass
 class Domain:
-    """One domain's blocks per split: ``[n, BLOCK]`` int64 tensors."""
+    """One domain's blocks per split: ``[n, block]`` int64 tensors."""
 
     name: str
     source: str
@@ -40,14 +40,16 @@ class Domain:
     sha256: str
 
     def describe(self) -> Dict:
-        return {'name': self.name, 'source': self.source, 'block_tokens': BLOCK,
+        return {'name': self.name, 'source': self.source, 'block_tokens': self.train.shape[1],
                 'blocks': {s: int(getattr(self, s).shape[0])
                            for s in ('train', 'validation', 'test')},
                 'sha256': self.sha256}
 
 
-def load_domain(name: str, which: str, tokenizer, max_chars: Optional[int] = None) -> Domain:
-    """Domain ``which`` (``'stdlib'`` or ``'pydoc'``) as blocks of token ids per split."""
+def load_domain(name: str, which: str, tokenizer, max_chars: Optional[int] = None,
+                block: int = BLOCK) -> Domain:
+    """Domain ``which`` (``'stdlib'`` or ``'pydoc'``) as blocks of ``block`` token ids per
+    split."""
     if which == 'stdlib':
         data, source = stdlib_sources_bytes(), 'python stdlib *.py sources'
     elif which == 'pydoc':
@@ -58,13 +60,13 @@ def load_domain(name: str, which: str, tokenizer, max_chars: Optional[int] = Non
     if max_chars is not None and len(text) > max_chars:
         text, source = text[:max_chars], f'{source}, first {max_chars} characters'
     ids = tokenizer(text, add_special_tokens=False, verbose=False)['input_ids']
-    blocks = torch.tensor(ids[: len(ids) // BLOCK * BLOCK], dtype=torch.long).view(-1, BLOCK)
+    blocks = torch.tensor(ids[: len(ids) // block * block], dtype=torch.long).view(-1, block)
     split = [SPLIT_OF[i % 10] for i in range(blocks.shape[0])]
     parts = {s: blocks[[i for i, x in enumerate(split) if x == s]]
              for s in ('train', 'validation', 'test')}
     for s, part in parts.items():
         if part.shape[0] == 0:
             raise ValueError(f'domain {name} ({source}) has {len(ids)} tokens: no {s} block of '
-                             f'{BLOCK}; raise max_chars')
+                             f'{block}; raise max_chars')
     return Domain(name, source, parts['train'], parts['validation'], parts['test'],
                   hashlib.sha256(text.encode('utf-8')).hexdigest())

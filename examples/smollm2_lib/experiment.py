@@ -41,15 +41,20 @@ EXPERIMENT_VERSION = 1
 
 @dataclass(frozen=True)
 class Preset:
-    """Sizes of one run. Steps are optimiser steps of ``batch`` windows of 512 tokens."""
+    """Sizes of one run. Steps are optimiser steps of ``batch`` training windows."""
 
     name: str
     scenarios: Tuple[str, ...]
     seeds: Tuple[int, ...]
     batch: int = 2
+    block: int = 513
+    """Tokens per data block: a training window (``block - 1`` tokens) and its labels; an
+    evaluation window is the first ``2 * context`` tokens of a block."""
     cold_steps: int = 100
     lr_grid: Tuple[float, ...] = (1e-3, 3e-3, 1e-2)
-    """Learning rates of the sweeps (one value: no sweep)."""
+    """Learning rates of the cold sweep (one value: no sweep)."""
+    fixed_lrs: Tuple[Tuple[str, float], ...] = ()
+    """``(loss, lr)`` pairs that replace the cold sweep for those losses."""
     sweep_fraction: float = 1 / 3
     """A sweep arm trains this fraction of its scenario's steps."""
     chain_depths: int = 3
@@ -106,7 +111,7 @@ PRESETS: Dict[str, Preset] = {
                       lr_grid=(3e-3,), curve_points=4, spec_prompts=92, spec_rounds=12),
     # The code paths of both presets at toy sizes (tests/test_smollm2.py).
     'smoke': Preset(name='smoke', scenarios=('cold', 'graft', 'joint', 'chain'), seeds=(0, 1),
-                    cold_steps=3, lr_grid=(1e-3, 3e-3), chain_depths=2, chain_steps=2,
+                    block=33, cold_steps=3, lr_grid=(1e-3, 3e-3), chain_depths=2, chain_steps=2,
                     sft_steps=2, heal_steps=3, heal_lr_grid=(1e-3, 3e-3), joint_steps=2,
                     curve_points=2, context=8, tf_windows=2, validation_windows=2,
                     continuation_prompts=2, spec_prompts=3, spec_rounds=2, stdlib_chars=60_000,
@@ -221,8 +226,11 @@ class Experiment:
         t0 = time.monotonic()
         hf_model, tokenizer = W.load_hf(self.cache_dir)
         self.hf_config = hf_model.config
-        self.domains = {'B': DATA.load_domain('B', 'pydoc', tokenizer),
-                        'A': DATA.load_domain('A', 'stdlib', tokenizer, p.stdlib_chars)}
+        if 2 * p.context > p.block - 1:
+            raise ValueError(f'context {p.context}: evaluation windows of {2 * p.context} tokens '
+                             f'do not fit blocks of {p.block}')
+        self.domains = {'B': DATA.load_domain('B', 'pydoc', tokenizer, block=p.block),
+                        'A': DATA.load_domain('A', 'stdlib', tokenizer, p.stdlib_chars, p.block)}
         model = self.build(None, 'ce')
         W.load_backbone(model, hf_model)
         self.original = self.backbone_of(model)
@@ -249,7 +257,8 @@ class Experiment:
                 mtp_loss_type=loss, mtp_detach_heads=not joint,
                 mtp_loss_scaling_factor=self.preset.joint_mtp_scale if joint else 1.0,
                 mtp_lk_eta=self.preset.lk_eta)
-            return W.build_megatron(self.hf_config, depths, 512, seed=build_seed * 1000 + 5,
+            return W.build_megatron(self.hf_config, depths, self.preset.block - 1,
+                                    seed=build_seed * 1000 + 5,
                                     **overrides)
 
         key = (depths, loss, joint)
@@ -310,7 +319,7 @@ class Experiment:
 
     def train_states(self, backbone_name: str, backbone: Dict, domain: str,
                      indices: torch.Tensor) -> Dict[int, torch.Tensor]:
-        """The backbone's states ``[512, 1, h]`` of the training windows ``indices``."""
+        """The backbone's states ``[block - 1, 1, h]`` of the training windows ``indices``."""
         from smollm2_lib import heads as H
 
         sets = self.sets.setdefault((backbone_name, domain), BackboneSets())
@@ -474,6 +483,9 @@ class Experiment:
                 run_arm: Callable[..., Tuple[Dict, Dict]]) -> float:
         """The grid's learning rate with the best validation accepted drafts (T=1) after a
         ``sweep_fraction`` run from seed 0; the grid's only value without a sweep."""
+        fixed = dict(self.preset.fixed_lrs)
+        if kind == 'cold' and loss in fixed:
+            return fixed[loss]
         if len(grid) == 1:
             return grid[0]
         sweep_steps = max(1, round(steps * self.preset.sweep_fraction))
