@@ -75,7 +75,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from smollm2_lib import report as R
 
     preset = X.PRESETS[args.preset]
-    store = X.Store(args.results_dir, preset.fingerprint(), commit=args.commit)
+    store = X.Store(args.results_dir, preset.common(), commit=args.commit)
     if not args.report_only:
         start_megatron(preset.threads)
         from megatron.mtp_tv.testing.distributed import single_process

@@ -136,63 +136,93 @@ def test_cached_states_step_equals_gpt_model_backward(smollm2, megatron_cpu, los
         assert changed == name.startswith('mtp.'), name
 
 
-def test_smoke_run_of_the_command(tmp_path):
-    """The demo's command end to end with tiny sizes, both scenarios: exit status, tables, the
-    results JSON (the main model's held-out perplexity shows wrong weights) and the plot."""
-    import json
+def _run_demo(args, env_extra=None):
     import os
     import subprocess
+
+    env = {**os.environ, 'PYTHONPATH': str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', ''),
+           **(env_extra or {})}
+    return subprocess.run([sys.executable, str(ROOT / 'examples' / 'smollm2_demo.py'), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_smoke_preset_runs_every_scenario_and_resumes(tmp_path):
+    """The command end to end on the ``smoke`` preset: every scenario of the ``long`` preset
+    (learning-rate sweeps, two seeds, the graft with its fine-tuned backbone, joint training,
+    the chain) on 32-token windows; its report, summary and plot. Then the resume: with one
+    part's file removed, a rerun runs that part alone, reading the official head and the
+    fine-tuned backbone that it needs from the cache folder."""
+    import json
+    import os
     import time
 
     pytest.importorskip('transformers', reason='the pinned Hugging Face stack (make setup-hf)')
-    out = tmp_path / 'out'
-    env = {**os.environ, 'PYTHONPATH': str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', ''),
-           'OMP_NUM_THREADS': '1'}
+    out = tmp_path / 'results'
     t0 = time.monotonic()
-    res = subprocess.run(
-        [sys.executable, str(ROOT / 'examples' / 'smollm2_demo.py'), '--steps', '2',
-         '--warm-steps', '1', '--arms', 'cold_ce,cold_tv,tv', '--prompts', '3',
-         '--seq-length', '16', '--batch-size', '1', '--eval-length', '8', '--eval-points', '1',
-         '--stdlib-chars', '20000', '--seed', '3', '--out-dir', str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    res = _run_demo(['--preset', 'smoke', '--results-dir', str(out)])
     elapsed = time.monotonic() - t0
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    for phase in ('load SmolLM2', 'backbone: train B', 'cold ce', 'cold tv', "warm-up 'ce' (A)",
-                  'warm tv'):
-        assert phase in res.stderr  # a tqdm bar per long phase
-    for title in ('Warm heads', 'Cold start', 'Greedy decoding (T=0)', 'serving temperature'):
-        assert title in res.stdout
-    data = json.loads((out / 'results.json').read_text())
-    assert data['settings']['arms'] == ['cold_ce', 'cold_tv', 'tv']
-    assert data['settings']['seed'] == 3 and data['settings']['prompts'] == 3
-    assert data['settings']['clipping'] == 'none'
-    assert data['model']['gguf_metadata']['general.license'].lower() == 'apache-2.0'
-    # 8-token windows from random offsets: a few hundred; random weights: tens of thousands
-    assert 1.0 < data['main_model_held_out_perplexity'] < 2000
-    finals = {(e['arm'], e['step']) for e in data['evaluations'] if 'speculative' in e}
-    assert finals == {('cold_init', 0), ('cold_ce', 2), ('cold_tv', 2), ('drifted', 0), ('tv', 2)}
-    assert [row['arm'] for row in data['tables']['cold']] == ['cold_init', 'cold_ce', 'cold_tv']
-    for e in data['evaluations']:
-        if 'speculative' in e:
-            assert len(e['speculative']['per_prompt']) == 3
-    assert (out / 'smollm2_acceptance.png').stat().st_size > 10_000
-    assert elapsed < 120 or os.getloadavg()[0] > 4, f'{elapsed:.0f}s on an idle machine'
+    from smollm2_lib import experiment as X
+
+    preset = X.PRESETS['smoke']
+    parts = {p.stem for p in (out / 'parts').glob('*.json')}
+    losses = X.depth_one_losses()
+    for loss in losses:
+        for seed in preset.seeds:
+            assert {f'cold_{loss}_s{seed}', f'heal_{loss}_s{seed}'} <= parts
+        assert {f'sweep_cold_{loss}_lr{lr:g}' for lr in preset.lr_grid} <= parts
+    assert {'cold_init', 'sft', 'graft_before', 'graft_drifted', 'joint_ce', 'joint_tv',
+            'chain_tv', 'chain_e2e_tv'} <= parts
+    record = json.loads((out / 'parts' / 'cold_tv_s1.json').read_text())
+    assert record['common'] == preset.common() and record['seed'] == 1
+    spec = record['final']['spec_sampled']
+    assert spec['verify_steps'] == preset.spec_prompts * preset.spec_rounds
+    assert len(spec['per_prompt']) == preset.spec_prompts
+    summary = json.loads((out / 'summary.json').read_text())
+    assert [row['label'] for row in summary['cold']] == ['cold_init'] + losses
+    assert '## Cold start' in res.stdout and '## Joint training' in res.stdout
+    assert (out / 'report.md').read_text().strip() == res.stdout.strip()
+    assert (out / 'smollm2_curves.png').stat().st_size > 10_000
+    assert elapsed < 150 or os.getloadavg()[0] > 3, f'{elapsed:.0f}s on an idle machine'
+
+    (out / 'parts' / 'heal_tv_s0.json').unlink()
+    rerun = _run_demo(['--preset', 'smoke', '--results-dir', str(out), '--no-plot'])
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert [line for line in rerun.stderr.splitlines() if line.endswith(': running')] == [
+        'part heal_tv_s0: running']
+    assert 'retraining' not in rerun.stderr  # the head and backbone came from the cache folder
+    assert json.loads((out / 'parts' / 'heal_tv_s0.json').read_text())['loss'] == 'tv'
 
 
-def test_default_arms_come_from_the_registry():
-    import smollm2_demo
+def test_scenario_losses_come_from_the_registry():
+    """The arms derive from the plugin's registry: every per-depth loss is a one-depth arm, and
+    the per-chain ones (equal to 'tv' at one depth) join the chain."""
+    from megatron.mtp_tv.losses import LOSSES as REGISTRY
+    from smollm2_lib import experiment as X
 
-    arms = smollm2_demo.default_arms()
-    assert arms[: len(LOSSES)] == [f'cold_{x}' for x in LOSSES]
-    assert arms[len(LOSSES):] == ['ce', 'tv', 'e2e_tv', 'lk']
+    per_chain = [name for name, cls in REGISTRY.items() if cls.per_chain]
+    assert per_chain == ['e2e_tv']
+    assert X.depth_one_losses() == ['ce'] + [n for n in REGISTRY if n not in per_chain]
+    assert X.chain_losses() == ['tv'] + per_chain
+
+
+def test_store_reuses_a_part_only_for_the_same_settings(tmp_path):
+    """A stored part is reused for the same key under the same common settings only: another
+    learning rate (key) or other evaluation sizes (common settings) run it again."""
+    from smollm2_lib.experiment import PRESETS, Store
+
+    key = {'loss': 'tv', 'lr': 1e-3}
+    store = Store(str(tmp_path), PRESETS['long'].common())
+    store.save('cold_tv_s0', key, {'loss': 'tv'})
+    assert store.load('cold_tv_s0', key)['loss'] == 'tv'
+    assert store.load('cold_tv_s0', {**key, 'lr': 3e-3}) is None
+    assert Store(str(tmp_path), PRESETS['default'].common()).load('cold_tv_s0', key) is None
+    assert list(store.all()) == ['cold_tv_s0']
+    assert not list(tmp_path.glob('parts/*.tmp'))
 
 
 @pytest.mark.parametrize('argv, message', [
-    (['--arms', 'cold_xx'], "unknown ['cold_xx']"),
-    (['--steps', '0'], '--steps must be >= 1'),
-    (['--prompts', '1'], '--prompts must be >= 2'),
-    (['--clip', '0'], '--clip must be > 0'),
-    (['--eval-length', '3'], 'too short for gamma=2'),
+    (['--preset', 'huge'], "invalid choice: 'huge'"),
 ])
 def test_bad_flags_exit_with_a_clear_message(capsys, argv, message):
     import smollm2_demo

@@ -51,7 +51,7 @@ class Preset:
     """Tokens per data block: a training window (``block - 1`` tokens) and its labels; an
     evaluation window is the first ``2 * context`` tokens of a block."""
     cold_steps: int = 100
-    lr_grid: Tuple[float, ...] = (1e-3, 3e-3, 1e-2)
+    lr_grid: Tuple[float, ...] = (3e-4, 1e-3, 3e-3)
     """Learning rates of the cold sweep (one value: no sweep)."""
     fixed_lrs: Tuple[Tuple[str, float], ...] = ()
     """``(loss, lr)`` pairs that replace the cold sweep for those losses."""
@@ -62,7 +62,7 @@ class Preset:
     sft_steps: int = 60
     sft_lr: float = 1e-4
     heal_steps: int = 50
-    heal_lr_grid: Tuple[float, ...] = (3e-4, 1e-3, 3e-3)
+    heal_lr_grid: Tuple[float, ...] = (1e-4, 3e-4, 1e-3)
     joint_steps: int = 60
     joint_mtp_scale: float = 0.1
     lk_eta: float = 3.0
@@ -79,16 +79,14 @@ class Preset:
     stdlib_chars: int = 1_500_000
     threads: int = 2
 
-    def fingerprint(self) -> str:
-        body = json.dumps({**dataclasses.asdict(self), 'version': EXPERIMENT_VERSION},
-                          sort_keys=True)
-        return hashlib.sha256(body.encode()).hexdigest()[:16]
-
-
-def _all_losses() -> List[str]:
-    from megatron.mtp_tv.losses import LOSSES
-
-    return ['ce'] + list(LOSSES)
+    def common(self) -> Dict:
+        """The settings every part of a run shares (data, evaluation): a part stored under
+        other values of these is not reused. What one part trains (its loss, learning rate,
+        seed, steps, the head or backbone it starts from) is that part's own key."""
+        keys = ('block', 'batch', 'context', 'tf_windows', 'validation_windows',
+                'continuation_prompts', 'spec_prompts', 'spec_rounds', 'stdlib_chars',
+                'serving_temperature', 'curve_points', 'lk_eta')
+        return {'version': EXPERIMENT_VERSION, **{k: getattr(self, k) for k in keys}}
 
 
 def depth_one_losses() -> List[str]:
@@ -112,34 +110,47 @@ PRESETS: Dict[str, Preset] = {
     # The code paths of both presets at toy sizes (tests/test_smollm2.py).
     'smoke': Preset(name='smoke', scenarios=('cold', 'graft', 'joint', 'chain'), seeds=(0, 1),
                     block=33, cold_steps=3, lr_grid=(1e-3, 3e-3), chain_depths=2, chain_steps=2,
-                    sft_steps=2, heal_steps=3, heal_lr_grid=(1e-3, 3e-3), joint_steps=2,
+                    sft_steps=2, heal_steps=3, heal_lr_grid=(1e-3,), joint_steps=2,
                     curve_points=2, context=8, tf_windows=2, validation_windows=2,
                     continuation_prompts=2, spec_prompts=3, spec_rounds=2, stdlib_chars=60_000,
                     batch=1),
 }
 
 
-class Store:
-    """``<directory>/parts/<name>.json``, each stamped with the preset's fingerprint."""
+def fingerprint(settings: Dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
-    def __init__(self, directory: str, fingerprint: str, commit: bool = False):
+
+class Store:
+    """``<directory>/parts/<name>.json``: a part's record, its key (what it trained) and the
+    fingerprint of the run's common settings and that key."""
+
+    def __init__(self, directory: str, common: Dict, commit: bool = False):
         self.directory = os.path.abspath(directory)
-        self.fingerprint = fingerprint
+        self.common = common
         self.commit = commit
+
+    def fingerprint(self, key: Dict) -> str:
+        return fingerprint({'common': self.common, 'key': key})
 
     def path(self, name: str) -> str:
         return os.path.join(self.directory, 'parts', f'{name}.json')
 
-    def load(self, name: str) -> Optional[Dict]:
+    def _read(self, name: str) -> Optional[Dict]:
         try:
             with open(self.path(name)) as f:
-                record = json.load(f)
+                return json.load(f)
         except FileNotFoundError:
             return None
-        return record if record.get('fingerprint') == self.fingerprint else None
 
-    def save(self, name: str, record: Dict) -> Dict:
-        record = {'part': name, 'fingerprint': self.fingerprint, **record}
+    def load(self, name: str, key: Dict) -> Optional[Dict]:
+        """The stored part, if it was made from ``key`` under the same common settings."""
+        record = self._read(name)
+        return record if record and record.get('fingerprint') == self.fingerprint(key) else None
+
+    def save(self, name: str, key: Dict, record: Dict) -> Dict:
+        record = {'part': name, 'key': key, 'fingerprint': self.fingerprint(key),
+                  'common': self.common, **record}
         path = self.path(name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + '.tmp', 'w') as f:
@@ -165,10 +176,12 @@ class Store:
               flush=True)
 
     def all(self) -> Dict[str, Dict]:
+        """Every stored part made under the same common settings (for the report)."""
         folder = os.path.join(self.directory, 'parts')
         names = sorted(n[:-5] for n in os.listdir(folder) if n.endswith('.json')) \
             if os.path.isdir(folder) else []
-        return {n: r for n in names if (r := self.load(n)) is not None}
+        records = {n: self._read(n) for n in names}
+        return {n: r for n, r in records.items() if r.get('common') == self.common}
 
 
 def schedule_points(steps: int, count: int) -> List[int]:
@@ -208,8 +221,7 @@ class Experiment:
 
         self.cache_dir = cache_dir
         root = default_cache_dir() if cache_dir is None else cache_dir
-        self.weights_dir = (os.path.join(root, 'runs', preset.name, store.fingerprint)
-                            if root else None)
+        self.weights_dir = os.path.join(root, 'runs') if root else None
         self.records: Dict[str, Dict] = {}
         self.kept: Dict[str, Dict] = {}
         self.models: Dict[Tuple, object] = {}
@@ -428,11 +440,9 @@ class Experiment:
 
     # ------------------------------------------------------------------ parts
 
-    def part(self, name: str, run: Callable[[], Dict]) -> Dict:
-        """Load part ``name`` or run and store it."""
-        if name in self.records:
-            return self.records[name]
-        record = self.store.load(name)
+    def part(self, name: str, key: Dict, run: Callable[[], Dict]) -> Dict:
+        """Load part ``name`` made from ``key``, or run it and store it."""
+        record = self.store.load(name, key)
         if record is None:
             self.log(f'part {name}: running')
             t0, cpu0 = time.monotonic(), time.process_time()
@@ -440,34 +450,37 @@ class Experiment:
             record['wall_s'] = time.monotonic() - t0
             record['cpu_s'] = time.process_time() - cpu0
             record['load_average'] = list(os.getloadavg())
-            record = self.store.save(name, record)
+            record = self.store.save(name, key, record)
             self.log(f'part {name}: done in {record["wall_s"]:.0f} s')
         self.records[name] = record
         return record
 
-    def _weights_path(self, name: str) -> Optional[str]:
-        return None if self.weights_dir is None else os.path.join(self.weights_dir, f'{name}.pt')
+    def _weights_path(self, key: Dict) -> Optional[str]:
+        if self.weights_dir is None:
+            return None
+        return os.path.join(self.weights_dir, f'{self.store.fingerprint(key)}.pt')
 
-    def keep(self, name: str, record: Dict, state: Dict) -> Dict:
-        """Cache ``state`` (weights a later part needs) and return ``record``."""
-        path = self._weights_path(name)
+    def keep(self, key: Dict, record: Dict, state: Dict) -> Dict:
+        """Cache ``state``, the weights the part made from ``key`` that later parts need, and
+        return ``record``."""
+        path = self._weights_path(key)
         if path:
             os.makedirs(self.weights_dir, exist_ok=True)
             torch.save(state, path + '.tmp')
             os.replace(path + '.tmp', path)
-        self.kept[name] = state
+        self.kept[fingerprint(key)] = state
         return record
 
-    def kept_weights(self, name: str, remake: Callable[[], Dict]) -> Dict:
+    def kept_weights(self, key: Dict, remake: Callable[[], Dict]) -> Dict:
         """Weights :meth:`keep` cached: in memory, in the cache folder, else ``remake()``."""
-        if name not in self.kept:
-            path = self._weights_path(name)
+        if fingerprint(key) not in self.kept:
+            path = self._weights_path(key)
             if path and os.path.exists(path):
-                self.kept[name] = torch.load(path)
+                self.kept[fingerprint(key)] = torch.load(path)
             else:
-                self.log(f'{name}: not in the cache folder; retraining it')
-                self.keep(name, {}, remake())
-        return self.kept[name]
+                self.log(f'weights of {key}: not in the cache folder; retraining them')
+                self.keep(key, {}, remake())
+        return self.kept[fingerprint(key)]
 
     @staticmethod
     def heads_of(model) -> Dict:
@@ -479,20 +492,22 @@ class Experiment:
         return {k: v.detach().clone() for k, v in model.state_dict().items()
                 if not k.startswith('mtp.') and torch.is_tensor(v)}
 
-    def best_lr(self, kind: str, loss: str, grid: Tuple[float, ...], steps: int,
+    def best_lr(self, kind: str, loss: str, grid: Tuple[float, ...], steps: int, base: Dict,
                 run_arm: Callable[..., Tuple[Dict, Dict]]) -> float:
         """The grid's learning rate with the best validation accepted drafts (T=1) after a
-        ``sweep_fraction`` run from seed 0; the grid's only value without a sweep."""
+        ``sweep_fraction`` run from seed 0 (``base``: what the arms start from); the grid's only
+        value without a sweep, or the preset's fixed one."""
         fixed = dict(self.preset.fixed_lrs)
         if kind == 'cold' and loss in fixed:
             return fixed[loss]
         if len(grid) == 1:
             return grid[0]
-        sweep_steps = max(1, round(steps * self.preset.sweep_fraction))
+        steps = max(1, round(steps * self.preset.sweep_fraction))
         scores = {}
         for lr in grid:
-            record = self.part(f'sweep_{kind}_{loss}_lr{lr:g}',
-                               lambda lr=lr: run_arm(loss, lr, 0, sweep_steps)[0])
+            key = {**base, 'loss': loss, 'lr': lr, 'seed': 0, 'steps': steps}
+            record = self.part(f'sweep_{kind}_{loss}_lr{lr:g}', key,
+                               lambda lr=lr: run_arm(loss, lr, 0, steps)[0])
             scores[lr] = record['curve']['validation'][-1]['sampled']['accepted']
         return max(grid, key=lambda lr: scores[lr])
 
@@ -513,6 +528,10 @@ class Experiment:
             record['final'] = self.final_eval(model, sets, depths)
         return record, self.heads_of(model)
 
+    def cold_key(self, loss: str, lr: float, seed: int, steps: int, depths: int = 1) -> Dict:
+        return {'heads': 'fresh', 'domain': 'B', 'loss': loss, 'lr': lr, 'seed': seed,
+                'steps': steps, 'depths': depths}
+
     def run_cold(self) -> Dict[str, float]:
         """Every part of the cold scenario; returns each loss's chosen learning rate."""
         p = self.preset
@@ -526,22 +545,29 @@ class Experiment:
                     'final': self.final_eval(model, sets, 1),
                     'main_model': self.main_model_loss(sets)}
 
-        self.part('cold_init', init)
+        self.part('cold_init', {'heads': 'fresh', 'seed': 0}, init)
         lrs = {}
         for loss in depth_one_losses():
-            lrs[loss] = self.best_lr('cold', loss, p.lr_grid, p.cold_steps, self.cold_arm)
+            lrs[loss] = self.best_lr('cold', loss, p.lr_grid, p.cold_steps,
+                                     {'heads': 'fresh', 'domain': 'B', 'depths': 1},
+                                     self.cold_arm)
             for seed in p.seeds:
-                def arm(loss=loss, seed=seed):
-                    record, heads = self.cold_arm(loss, lrs[loss], seed, p.cold_steps, final=True)
-                    official = (loss, seed) == ('ce', 0)  # the graft scenario's official head
-                    return self.keep('official_head', record, heads) if official else record
+                key = self.cold_key(loss, lrs[loss], seed, p.cold_steps)
 
-                self.part(f'cold_{loss}_s{seed}', arm)
+                def arm(loss=loss, seed=seed, key=key):
+                    record, heads = self.cold_arm(loss, lrs[loss], seed, p.cold_steps, final=True)
+                    # cold_ce_s0's head is the graft scenario's official head
+                    return self.keep(key, record, heads) if (loss, seed) == ('ce', 0) else record
+
+                self.part(f'cold_{loss}_s{seed}', key, arm)
         return lrs
 
+    def official_key(self, lrs: Dict[str, float]) -> Dict:
+        return self.cold_key('ce', lrs['ce'], 0, self.preset.cold_steps)
+
     def official_head(self, lrs: Dict[str, float]) -> Dict:
-        """The heads of part ``cold_ce_s0`` (an official head: 'ce' on the original model)."""
-        return self.kept_weights('official_head', lambda: self.cold_arm(
+        """The heads of part ``cold_ce_s0``: an official head, 'ce' on the original model."""
+        return self.kept_weights(self.official_key(lrs), lambda: self.cold_arm(
             'ce', lrs['ce'], 0, self.preset.cold_steps)[1])
 
     def run_chain(self, lrs: Dict[str, float]) -> None:
@@ -551,12 +577,18 @@ class Experiment:
                    key=lambda loss: cold[loss]['curve']['validation'][-1]['sampled']['accepted'])
         for loss in dict.fromkeys(chain_losses() + [best]):
             lr = lrs.get(loss, lrs['tv'])  # a per-chain loss is 'tv' at one depth
-            self.part(f'chain_{loss}', lambda loss=loss, lr=lr: {
-                **self.cold_arm(loss, lr, 0, p.chain_steps, depths=p.chain_depths, final=True)[0],
-                'chosen_as': ('the best one-depth loss on validation' if loss == best
-                              else 'chain')})
+            self.part(f'chain_{loss}', self.cold_key(loss, lr, 0, p.chain_steps, p.chain_depths),
+                      lambda loss=loss, lr=lr: {
+                          **self.cold_arm(loss, lr, 0, p.chain_steps, depths=p.chain_depths,
+                                          final=True)[0],
+                          'chosen_as': ('the best one-depth loss on validation' if loss == best
+                                        else 'chain')})
 
     # graft and joint ---------------------------------------------------------
+
+    def sft_key(self) -> Dict:
+        return {'backbone': 'fine-tuned', 'domain': 'A', 'steps': self.preset.sft_steps,
+                'lr': self.preset.sft_lr, 'seed': 41}
 
     def fine_tune(self) -> Tuple[Dict, Dict]:
         """The original backbone fine-tuned on code (domain A), no MTP heads: the SFT that moves
@@ -575,10 +607,10 @@ class Experiment:
             record = {'scenario': 'graft', 'steps': p.sft_steps, 'lr': p.sft_lr, 'curve': curve,
                       'main_model_before': before,
                       'main_model': self.main_losses('sft', backbone)}
-            return self.keep('sft_backbone', record, backbone)
+            return self.keep(self.sft_key(), record, backbone)
 
-        self.part('sft', run)
-        return self.kept_weights('sft_backbone', lambda: self.fine_tune()[1])
+        self.part('sft', self.sft_key(), run)
+        return self.kept_weights(self.sft_key(), lambda: self.fine_tune()[1])
 
     def main_losses(self, name: str, backbone: Dict) -> Dict:
         """The main model's held-out loss on both domains' test windows."""
@@ -605,6 +637,7 @@ class Experiment:
         p = self.preset
         self.official = self.official_head(lrs)
         self.sft_state = self.sft_backbone()
+        graft = {'heads': self.official_key(lrs), 'backbone': self.sft_key()}
 
         def before():  # the official head on the model it was trained for, on code
             sets = self.backbone_sets('original', self.original, 'A',
@@ -623,12 +656,13 @@ class Experiment:
                     'validation': self.validation_summary(model, sets.tf_validation, 1),
                     'final': self.final_eval(model, sets, 1)}
 
-        self.part('graft_before', before)
-        self.part('graft_drifted', drifted)
+        self.part('graft_before', {'heads': graft['heads'], 'domain': 'A'}, before)
+        self.part('graft_drifted', {**graft, 'domain': 'A'}, drifted)
         for loss in depth_one_losses():
-            lr = self.best_lr('heal', loss, p.heal_lr_grid, p.heal_steps, self.heal_arm)
+            lr = self.best_lr('heal', loss, p.heal_lr_grid, p.heal_steps, graft, self.heal_arm)
             for seed in p.seeds:
-                self.part(f'heal_{loss}_s{seed}', lambda loss=loss, lr=lr, seed=seed:
+                key = {**graft, 'loss': loss, 'lr': lr, 'seed': seed, 'steps': p.heal_steps}
+                self.part(f'heal_{loss}_s{seed}', key, lambda loss=loss, lr=lr, seed=seed:
                           self.heal_arm(loss, lr, seed, p.heal_steps, final=True)[0])
 
     def joint_arm(self, loss: str) -> Dict:
@@ -660,9 +694,13 @@ class Experiment:
         return record
 
     def run_joint(self, lrs: Dict[str, float]) -> None:
+        p = self.preset
         self.official = self.official_head(lrs)
         for loss in ('ce', 'tv'):
-            self.part(f'joint_{loss}', lambda loss=loss: self.joint_arm(loss))
+            key = {'heads': self.official_key(lrs), 'backbone': 'joint', 'domain': 'A',
+                   'loss': loss, 'steps': p.joint_steps, 'lr': p.sft_lr, 'seed': 41,
+                   'mtp_loss_scaling_factor': p.joint_mtp_scale}
+            self.part(f'joint_{loss}', key, lambda loss=loss: self.joint_arm(loss))
 
     def run(self) -> Dict[str, Dict]:
         scenarios = self.preset.scenarios

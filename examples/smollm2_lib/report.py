@@ -142,7 +142,7 @@ def ranking(parts: Dict[str, Dict], prefix: str, seeds: Sequence[int]) -> Dict:
 
 def summarize(parts: Dict[str, Dict], preset: Preset) -> Dict:
     seeds = preset.seeds
-    out: Dict = {'preset': preset.name, 'fingerprint': preset.fingerprint(),
+    out: Dict = {'preset': preset.name, 'common': preset.common(),
                  'parts': sorted(parts), 'compute_s': sum(p.get('wall_s', 0) for p in parts.values())}
     out['cold'] = scenario_rows(parts, 'cold', seeds, extra=('cold_init',))
     out['cold_ranking'] = ranking(parts, 'cold', seeds)
