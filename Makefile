@@ -1,6 +1,7 @@
 # make demo   - set up .venv (first time: 1-3 min of downloads) and run the CPU demo
-# make demo-smollm2 - also the pinned Hugging Face stack, then the SmolLM2-135M demo (real
-#               pretrained model, 49k vocabulary; examples/smollm2_demo.py, docs/smollm2_demo.md)
+# make demo-smollm2 - also the pinned Hugging Face stack, then the SmolLM2-135M experiment (real
+#               pretrained model, 49k vocabulary; examples/smollm2_demo.py, docs/smollm2_demo.md);
+#               ARGS='--preset long' for every scenario (hours; resumable)
 # make test   - set up .venv and run the whole test suite
 # make bench  - set up .venv and run the loss benchmark
 # make setup  - only create/refresh .venv (tools/setup_env.sh; ~1 s when up to date)

@@ -203,6 +203,3 @@ def scatter_steps(store: Tensor, positions: Tensor, values: Tensor) -> None:
     rows = torch.arange(positions.shape[0]).unsqueeze(1)
     store[positions, rows] = values.transpose(0, 1)
 
-
-__all__: List[str] = ['LayerCache', 'DecoderCache', 'MTPDepthCache', 'attention_layer_step',
-                      'logits', 'arange_positions', 'gather_steps', 'scatter_steps']

@@ -23,7 +23,7 @@ per-window / per-prompt means of two models on the same windows / prompts and se
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict
 
 import torch
 from torch import Tensor
@@ -259,7 +259,3 @@ def speculative_decoding(model, prompts: Prompts, gamma: int, rounds: int, tempe
             'per_prompt': per_prompt.tolist(), 'verify_steps': int(counts.numel()),
             'temperature': float(temperature)}
 
-
-def paired_difference(a: List[float], b: List[float]) -> Dict:
-    """Mean and standard error of ``a - b`` over the same units (windows or prompts)."""
-    return mean_and_se(torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64))

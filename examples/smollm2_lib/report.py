@@ -60,8 +60,12 @@ def pooled(stats: List[Dict]) -> Dict:
 
 def paired(a: List[Dict], b: List[Dict], path: Sequence[str]) -> Dict:
     """``a - b`` paired per unit, each side averaged over its seeds (the same seeds)."""
-    diff = [x - y for x, y in zip(per_unit(a, path), per_unit(b, path))]
-    out = _stats(diff)
+    return difference(per_unit(a, path), per_unit(b, path))
+
+
+def difference(a: List[float], b: List[float]) -> Dict:
+    """Mean and SE of ``a - b`` over the same units, and whether it is resolved."""
+    out = _stats([x - y for x, y in zip(a, b)])
     out['resolved'] = bool(out['se'] > 0 and abs(out['mean']) >= RESOLVED_AT * out['se'])
     return out
 
@@ -164,7 +168,7 @@ def summarize(parts: Dict[str, Dict], preset: Preset) -> Dict:
                       [parts['joint_ce']] if 'joint_ce' in parts else None)
         row['main_model'] = {d: record['main_model'][d]['nll'] for d in ('A', 'B')}
         if 'sft' in parts:
-            row['main_model_vs_sft'] = {d: paired_lists(record['main_model'][d]['per_window'],
+            row['main_model_vs_sft'] = {d: difference(record['main_model'][d]['per_window'],
                                                         parts['sft']['main_model'][d]['per_window'])
                                         for d in ('A', 'B')}
         out['joint'].append(row)
@@ -176,12 +180,6 @@ def summarize(parts: Dict[str, Dict], preset: Preset) -> Dict:
     out['sweeps'] = {kind: {name[len(f'sweep_{kind}_'):]: p['curve']['validation'][-1]['sampled']
                             ['accepted'] for name, p in parts.items()
                             if name.startswith(f'sweep_{kind}_')} for kind in ('cold', 'heal')}
-    return out
-
-
-def paired_lists(a: List[float], b: List[float]) -> Dict:
-    out = _stats([x - y for x, y in zip(a, b)])
-    out['resolved'] = bool(out['se'] > 0 and abs(out['mean']) >= RESOLVED_AT * out['se'])
     return out
 
 
