@@ -255,9 +255,10 @@ class Experiment:
         (``mtp_detach_heads``, scale 1) unless ``joint``; the given backbone and heads, else
         fresh heads (Megatron's initialisation seeded by ``seed``).
 
-        One model per configuration is built and then reloaded (building initialises 135M
-        parameters): a later call with the same configuration returns the same object, so an
-        arm builds its model after its evaluation sets (built on a model without heads).
+        One model per depth count (and joint or not) is built and then reloaded, its
+        ``mtp_loss_type`` set (building initialises 135M parameters, and memory holds a few
+        models, not one per loss): a later call returns the same object, so an arm builds its
+        model after its evaluation sets (built on a model without heads).
         Megatron's MTP tracker is emptied, since its size is the depth count."""
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -269,22 +270,31 @@ class Experiment:
                 mtp_loss_scaling_factor=self.preset.joint_mtp_scale if joint else 1.0,
                 mtp_lk_eta=self.preset.lk_eta)
             return W.build_megatron(self.hf_config, depths, self.preset.block - 1,
-                                    seed=build_seed * 1000 + 5,
-                                    **overrides)
+                                    seed=build_seed * 1000 + 5, **overrides)
 
-        key = (depths, loss, joint)
+        key = (depths, joint)
         if key not in self.models:
             self.models[key] = make(seed)
             if depths is not None:
                 self.fresh.setdefault((depths, seed), self.heads_of(self.models[key]))
         model = self.models[key]
-        if depths is not None and heads is None:
-            if (depths, seed) not in self.fresh:
-                self.fresh[(depths, seed)] = self.heads_of(make(seed))
-            heads = self.fresh[(depths, seed)]
+        if depths is not None:
+            model.config.mtp_loss_type = loss  # read (and validated) by every MTP loss call
+            if heads is None:
+                if (depths, seed) not in self.fresh:
+                    self.fresh[(depths, seed)] = self.heads_of(make(seed))
+                heads = self.fresh[(depths, seed)]
         model.load_state_dict({**model.state_dict(), **(backbone or {}), **(heads or {})})
         MTPLossLoggingHelper.tracker.clear()
         return model
+
+    def release(self, backbone_name: str, domain: str, keep: Tuple[str, ...] = ()) -> None:
+        """Free a backbone's evaluation sets (each a few GB), but those in ``keep``."""
+        sets = self.sets.get((backbone_name, domain))
+        if sets is None:
+            return
+        kept = BackboneSets(**{n: getattr(sets, n) for n in keep})
+        self.sets[(backbone_name, domain)] = kept
 
     def backbone_sets(self, backbone_name: str, backbone: Dict, domain: str,
                       need: Tuple[str, ...]) -> BackboneSets:
@@ -702,10 +712,15 @@ class Experiment:
             self.part(f'joint_{loss}', key, lambda loss=loss: self.joint_arm(loss))
 
     def run(self) -> Dict[str, Dict]:
+        """The scenarios in order of what they decide (a run cut short has the first ones);
+        each frees the evaluation sets the next ones do not read."""
         scenarios = self.preset.scenarios
         lrs = self.run_cold() if 'cold' in scenarios else {}
+        self.release('original', 'B', keep=('tf_test', 'train_states'))  # read by sft, chain
         if 'graft' in scenarios:
             self.run_graft(lrs)
+            for name, domain in (('sft', 'A'), ('sft', 'B'), ('original', 'A')):
+                self.release(name, domain)
         if 'joint' in scenarios:
             self.run_joint(lrs)
         if 'chain' in scenarios:
