@@ -270,3 +270,30 @@ def test_report_pairs_differences_over_prompts_and_seeds():
     assert math.isclose(rows['tv']['tokens T=1']['mean'], 1 + sum(tv[0] + tv[1]) / 8)
     assert rows['tv']['vs greedy']['mean'] == 0 and not rows['tv']['vs greedy']['resolved']
     assert 'vs T=1' not in rows['ce']  # the baseline is not compared with itself
+
+
+def test_sweep_extends_its_grid_past_a_winning_edge(tmp_path):
+    """A learning rate that wins at an end of the grid is not taken as the optimum: the sweep
+    adds the next half-decade beyond it until an inner value wins (or its extension budget is
+    spent); every tried value is a stored part."""
+    import math
+
+    from smollm2_lib import experiment as X
+
+    best = 1e-4
+    experiment = X.Experiment(X.PRESETS['long'], X.Store(str(tmp_path), {}), cache_dir='',
+                              log=lambda m: None)
+
+    def run_arm(loss, lr, seed, steps):
+        score = 1.0 / (1.0 + abs(math.log10(lr / best)))
+        return {'curve': {'validation': [{'sampled': {'accepted': score}}]}}, {}
+
+    lr = experiment.best_lr('cold', 'tv', (3e-4, 1e-3, 3e-3), 99, {}, run_arm)
+    assert lr == best
+    assert sorted(experiment.records) == sorted(
+        f'sweep_cold_tv_lr{x:g}' for x in (3e-5, 1e-4, 3e-4, 1e-3, 3e-3))
+    assert X.half_decade(1e-3, up=True) == 3e-3 and X.half_decade(1e-3, up=False) == 3e-4
+    assert experiment.best_lr('cold', 'ce', (3e-4, 1e-3, 3e-3), 99, {},
+                              lambda *a: ({'curve': {'validation': [{'sampled': {
+                                  'accepted': {1e-3: 1.0}.get(a[1], 0.0)}}]}}, {})) == 1e-3
+    assert 'sweep_cold_ce_lr0.0001' not in experiment.records  # an inner winner: no extension

@@ -36,6 +36,8 @@ import torch
 
 #: Bumped when a change to the code changes what a part computes: old parts are then rerun.
 EXPERIMENT_VERSION = 1
+#: How many times a learning-rate sweep may extend its grid past the winning end.
+SWEEP_EXTENSIONS = 2
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,16 @@ class Store:
             if os.path.isdir(folder) else []
         records = {n: self._read(n) for n in names}
         return {n: r for n, r in records.items() if r.get('common') == self.common}
+
+
+def half_decade(lr: float, up: bool) -> float:
+    """The next value on the 1-3-10 ladder above or below ``lr`` (1e-3 -> 3e-3 or 3e-4)."""
+    exponent = math.floor(math.log10(lr) + 1e-9)
+    mantissa = round(lr / 10 ** exponent)
+    ladder = [(m, e) for e in (exponent - 1, exponent, exponent + 1) for m in (1, 3)]
+    i = ladder.index((mantissa, exponent))
+    m, e = ladder[i + 1 if up else i - 1]
+    return float(f'{m}e{e}')
 
 
 def schedule_points(steps: int, count: int) -> List[int]:
@@ -503,22 +515,30 @@ class Experiment:
 
     def best_lr(self, kind: str, loss: str, grid: Tuple[float, ...], steps: int, base: Dict,
                 run_arm: Callable[..., Tuple[Dict, Dict]]) -> float:
-        """The grid's learning rate with the best validation accepted drafts (T=1) after a
-        ``sweep_fraction`` run from seed 0 (``base``: what the arms start from); the grid's only
-        value without a sweep, or the preset's fixed one."""
+        """The learning rate with the best validation accepted drafts (T=1) after a
+        ``sweep_fraction`` run from seed 0 (``base``: what the arms start from), over ``grid``
+        extended by a half-decade past whichever end wins (up to :data:`SWEEP_EXTENSIONS`
+        times), so that the choice is not an edge of the grid; the grid's only value without a
+        sweep, or the preset's fixed one."""
         fixed = dict(self.preset.fixed_lrs)
         if kind == 'cold' and loss in fixed:
             return fixed[loss]
         if len(grid) == 1:
             return grid[0]
         steps = max(1, round(steps * self.preset.sweep_fraction))
-        scores = {}
-        for lr in grid:
-            key = {**base, 'loss': loss, 'lr': lr, 'seed': 0, 'steps': steps}
-            record = self.part(f'sweep_{kind}_{loss}_lr{lr:g}', key,
-                               lambda lr=lr: run_arm(loss, lr, 0, steps)[0])
-            scores[lr] = record['curve']['validation'][-1]['sampled']['accepted']
-        return max(grid, key=lambda lr: scores[lr])
+        scores: Dict[float, float] = {}
+        todo = list(grid)
+        for _ in range(SWEEP_EXTENSIONS + 1):
+            for lr in todo:
+                key = {**base, 'loss': loss, 'lr': lr, 'seed': 0, 'steps': steps}
+                record = self.part(f'sweep_{kind}_{loss}_lr{lr:g}', key,
+                                   lambda lr=lr: run_arm(loss, lr, 0, steps)[0])
+                scores[lr] = record['curve']['validation'][-1]['sampled']['accepted']
+            best = max(scores, key=scores.get)
+            if best not in (min(scores), max(scores)):
+                break
+            todo = [half_decade(best, up=best == max(scores))]
+        return best
 
     # cold and chain ----------------------------------------------------------
 
