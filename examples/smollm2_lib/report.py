@@ -92,6 +92,8 @@ def arm_row(label: str, records: List[Dict], baseline: Optional[List[Dict]],
         if MODES[mode] not in final:
             continue
         row[f'tokens {mode}'] = measure(records, _spec(mode), offset=1.0)
+        row[f'per seed {mode}'] = [1 + r['final'][MODES[mode]]['accepted']['mean']
+                                   for r in records]
         if baseline is not None:
             diff = paired(records, baseline, _spec(mode))
             base = measure(baseline, _spec(mode), offset=1.0)['mean']
@@ -192,13 +194,15 @@ def _verdict(stat: Optional[Dict]) -> str:
 def table(rows: List[Dict], gamma: int = 1) -> str:
     """Markdown: tokens per step and the paired gain over the baseline, both modes, and the
     teacher-forced acceptance."""
-    head = ['arm', 'lr', 'tokens/step T=1', 'vs ce T=1', 'gain % T=1', '',
+    head = ['arm', 'lr', 'tokens/step T=1', 'per seed', 'vs ce T=1', 'gain % T=1', '',
             'tokens/step greedy', 'vs ce greedy', '', 'TF alpha text', 'TF alpha continuations']
     lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
     for r in rows:
         alpha = lambda key: ' / '.join(fmt(a) for a in r.get(key, []))  # noqa: E731
         cells = [r['label'], '' if r.get('lr') is None else f"{r['lr']:g}",
-                 fmt(r.get('tokens T=1')), fmt(r.get('vs T=1'), signed=True),
+                 fmt(r.get('tokens T=1')),
+                 ' / '.join(f'{x:.3f}' for x in r.get('per seed T=1', [])),
+                 fmt(r.get('vs T=1'), signed=True),
                  fmt(r.get('gain% T=1'), 1, signed=True), _verdict(r.get('vs T=1')),
                  fmt(r.get('tokens greedy')), fmt(r.get('vs greedy'), signed=True),
                  _verdict(r.get('vs greedy')), alpha('TF alpha text'),
