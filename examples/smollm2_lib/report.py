@@ -92,7 +92,7 @@ def arm_row(label: str, records: List[Dict], baseline: Optional[List[Dict]],
         if MODES[mode] not in final:
             continue
         row[f'tokens {mode}'] = measure(records, _spec(mode), offset=1.0)
-        row[f'per seed {mode}'] = [1 + r['final'][MODES[mode]]['accepted']['mean']
+        row[f'per seed {mode}'] = [measure([r], _spec(mode), offset=1.0)['mean']
                                    for r in records]
         if baseline is not None:
             diff = paired(records, baseline, _spec(mode))
