@@ -142,8 +142,12 @@ def ranking(parts: Dict[str, Dict], prefix: str, seeds: Sequence[int]) -> Dict:
     steps = sorted(next(iter(curves.values())))
     last_third = [s for s in steps if s >= steps[-1] * 2 / 3]
     orders = {s: sorted(curves, key=lambda loss: -curves[loss][s]) for s in last_third}
-    return {'steps': last_third, 'orders': orders,
-            'stable': len({tuple(o) for o in orders.values()}) == 1}
+    first = next(iter(orders.values()))
+    held = 0  # the longest leading run of the order that every point shares
+    while held < len(first) and all(o[held] == first[held] for o in orders.values()):
+        held += 1
+    return {'steps': last_third, 'orders': orders, 'stable': held == len(first),
+            'stable_top': first[:held]}
 
 
 def summarize(parts: Dict[str, Dict], preset: Preset) -> Dict:
@@ -255,9 +259,14 @@ def _ranking_text(rank: Dict) -> str:
     if not rank:
         return ''
     orders = ['>'.join(o) for o in rank['orders'].values()]
-    verdict = 'stable' if rank['stable'] else 'changed'
-    return (f"Validation ranking over the last third (steps {rank['steps']}): {verdict} "
-            f"({'; '.join(dict.fromkeys(orders))}).")
+    if rank['stable']:
+        verdict = 'the same at every point'
+    elif rank.get('stable_top'):
+        verdict = f"the first {len(rank['stable_top'])} held ({', '.join(rank['stable_top'])}), the rest moved"
+    else:
+        verdict = 'changed at the top'
+    return (f"Validation ranking (predicted accepted drafts) at the evaluations of the last third "
+            f"of training (steps {rank['steps']}): {verdict}: {'; '.join(dict.fromkeys(orders))}.")
 
 
 def plot(path: str, parts: Dict[str, Dict], preset: Preset) -> Optional[str]:
