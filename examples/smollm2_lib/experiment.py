@@ -30,7 +30,7 @@ import os
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -665,7 +665,7 @@ class Experiment:
             record['final'] = self.final_eval(model, sets, 1)
         return record, self.heads_of(model)
 
-    def run_graft(self, lrs: Dict[str, float]) -> None:
+    def run_graft(self, lrs: Dict[str, float], seeds: Sequence[int]) -> None:
         from smollm2_lib import evaluate as E
 
         p = self.preset
@@ -694,10 +694,12 @@ class Experiment:
         self.part('graft_drifted', {**graft, 'domain': 'A'}, drifted)
         for loss in depth_one_losses():
             lr = self.best_lr('heal', loss, p.heal_lr_grid, p.heal_steps, graft, self.heal_arm)
-            for seed in p.seeds:
+            for seed in seeds:
                 key = {**graft, 'loss': loss, 'lr': lr, 'seed': seed, 'steps': p.heal_steps}
                 self.part(f'heal_{loss}_s{seed}', key, lambda loss=loss, lr=lr, seed=seed:
                           self.heal_arm(loss, lr, seed, p.heal_steps, final=True)[0])
+        for name, domain in (('sft', 'A'), ('sft', 'B'), ('original', 'A')):
+            self.release(name, domain)
 
     def joint_arm(self, loss: str) -> Dict:
         """The SFT of :meth:`fine_tune` with the official head attached and trained together
@@ -739,15 +741,17 @@ class Experiment:
     def run(self) -> Dict[str, Dict]:
         """The scenarios in order of what they decide (a run cut short has the first ones);
         each frees the evaluation sets the next ones do not read."""
-        scenarios = self.preset.scenarios
+        scenarios, seeds = self.preset.scenarios, self.preset.seeds
         lrs = self.run_cold() if 'cold' in scenarios else {}
         self.release('original', 'B', keep=('tf_test', 'train_states'))  # read by sft, chain
+        # Healing starts every seed from the same grafted head (a seed orders the windows): its
+        # first seed runs with the other scenarios, its further seeds last.
         if 'graft' in scenarios:
-            self.run_graft(lrs)
-            for name, domain in (('sft', 'A'), ('sft', 'B'), ('original', 'A')):
-                self.release(name, domain)
+            self.run_graft(lrs, seeds[:1])
         if 'joint' in scenarios:
             self.run_joint(lrs)
         if 'chain' in scenarios:
             self.run_chain(lrs)
+        if 'graft' in scenarios and len(seeds) > 1:
+            self.run_graft(lrs, seeds[1:])
         return self.store.all()
