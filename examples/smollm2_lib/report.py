@@ -152,8 +152,9 @@ def ranking(parts: Dict[str, Dict], prefix: str, seeds: Sequence[int]) -> Dict:
 
 def summarize(parts: Dict[str, Dict], preset: Preset) -> Dict:
     seeds = preset.seeds
-    out: Dict = {'preset': preset.name, 'common': preset.common(),
-                 'parts': sorted(parts), 'compute_s': sum(p.get('wall_s', 0) for p in parts.values())}
+    out: Dict = {'preset': preset.name, 'common': preset.common(), 'parts': sorted(parts),
+                 'compute_s': sum(p.get('wall_s', 0) for p in parts.values()),
+                 'cpu_s': sum(p.get('cpu_s', 0) for p in parts.values())}
     out['cold'] = scenario_rows(parts, 'cold', seeds, extra=('cold_init',))
     out['cold_ranking'] = ranking(parts, 'cold', seeds)
     out['heal'] = scenario_rows(parts, 'heal', seeds, extra=('graft_drifted',))
@@ -218,7 +219,9 @@ def table(rows: List[Dict], gamma: int = 1) -> str:
 def render(summary: Dict, preset: Preset) -> str:
     out = [f"# SmolLM2-135M: MTP heads per loss (preset `{preset.name}`)", '',
            f"Parts: {len(summary['parts'])}; compute in the parts: "
-           f"{summary['compute_s'] / 60:.0f} min. Tokens per verify step = 1 + accepted drafts, "
+           f"{summary['compute_s'] / 60:.0f} min wall, {summary['cpu_s'] / 60:.0f} CPU-min "
+           f"(each part's `wall_s`, `cpu_s`, `load_average`). "
+           f"Tokens per verify step = 1 + accepted drafts, "
            f"speculative decoding on {preset.spec_prompts} test prompts x {preset.spec_rounds} "
            f"verify steps; +- one standard error over prompts; differences paired, "
            f"'resolved' at >= {RESOLVED_AT:g} SE.", '']
