@@ -106,9 +106,10 @@ def chain_losses() -> List[str]:
 
 PRESETS: Dict[str, Preset] = {
     'long': Preset(name='long', scenarios=('cold', 'graft', 'joint', 'chain'), seeds=(0, 1)),
-    # The cold-start ranking in under 30 minutes: 40 steps, one seed, each loss at the learning
-    # rate the long preset's sweep chose (examples/smollm2_results/long/report.md), the same
-    # evaluation. A loss the sweep has not seen yet runs at lr_grid's value.
+    # The cold-start ranking, meant to fit in 30 minutes (not yet timed from a fresh clone): 40
+    # steps, one seed, each loss at the learning rate the long preset's sweep chose
+    # (examples/smollm2_results/long/report.md), the same evaluation. A loss the sweep has not
+    # seen yet runs at lr_grid's value.
     'default': Preset(name='default', scenarios=('cold',), seeds=(0,), cold_steps=40,
                       lr_grid=(1e-3,), curve_points=4,
                       fixed_lrs=(('ce', 1e-3), ('tv', 3e-4), ('kl', 1e-3), ('lk', 3e-4),
