@@ -108,6 +108,10 @@ def nla_values(alpha, floor=NLA_FLOOR):
     return -torch.log(kept) - (alpha - alpha.detach()) / kept
 
 
+#: The losses written here from their equations (tests/test_registry.py: the package's registry).
+LOSS_TYPES = ('tv', 'e2e_tv', 'kl', 'lk', 'nla')
+
+
 def per_token_values(loss_type, alpha, kl, eta=3.0):
     """The per-token objective each depth logs as ``mtp_{k} loss`` (``1 - alpha`` for the TV losses)."""
     if loss_type in ('tv', 'e2e_tv'):
@@ -121,8 +125,8 @@ def objective(loss_type, alpha, kl, masks, scale, eta=3.0):
     """The Megatron-normalised objective of ``loss_type`` from per-token alpha and kl."""
     if loss_type == 'e2e_tv':
         return e2e_objective(alpha, masks, scale)
-    if loss_type not in ('tv', 'kl', 'lk', 'nla'):
-        raise ValueError(loss_type)
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f'no reference for loss_type={loss_type!r}')
     return per_depth_objective(per_token_values(loss_type, alpha, kl, eta), masks, scale)
 
 

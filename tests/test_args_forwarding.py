@@ -10,6 +10,7 @@ fields are native TransformerConfig fields and nothing is installed).
 import pytest
 
 import megatron.mtp_tv
+from megatron.mtp_tv.config import MTP_LOSS_TYPES
 from megatron_args import config_from_argv, miles_extra_args_provider, parse, reset_arg
 
 import patch_mode
@@ -71,7 +72,7 @@ def test_flags_have_choices_and_help_from_the_field_docstrings(monkeypatch):
 
     parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     actions = {a.dest: a for a in parser._actions}
-    assert list(actions['mtp_loss_type'].choices) == ['ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk', 'nla']
+    assert tuple(actions['mtp_loss_type'].choices) == MTP_LOSS_TYPES
     assert 'Training objective of the Multi-Token Prediction' in actions['mtp_loss_type'].help
     assert actions['mtp_tv_chunk'].type is int
     assert 'Tokens per chunk' in actions['mtp_tv_chunk'].help

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import megatron.mtp_tv
+from megatron.mtp_tv.config import MTP_LOSS_TYPES
 from megatron.mtp_tv.plugin import field_docstrings
 
 megatron.mtp_tv.install()
@@ -46,8 +47,7 @@ def test_install_is_idempotent():
     'kwargs,message',
     [
         (dict(mtp_num_layers=1, mtp_loss_type='lk_alpha'),
-         "mtp_loss_type='lk_alpha' is not supported; choose one of "
-         "['ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk', 'nla']"),
+         f"mtp_loss_type='lk_alpha' is not supported; choose one of {list(MTP_LOSS_TYPES)}"),
         (dict(mtp_num_layers=1, mtp_tv_temperature=0.0), 'mtp_tv_temperature=0.0 is invalid; it must be a finite number > 0'),
         (dict(mtp_num_layers=1, mtp_tv_temperature=-0.7), 'mtp_tv_temperature=-0.7 is invalid'),
         (dict(mtp_num_layers=1, mtp_tv_temperature=float('nan')), 'mtp_tv_temperature=nan is invalid'),
@@ -83,7 +83,7 @@ def test_flags_come_from_megatrons_argument_factory_with_help():
     docs = field_docstrings(megatron.mtp_tv.MTPLossConfig)
     loss_type = actions['mtp_loss_type']
     assert loss_type.option_strings == ['--mtp-loss-type']
-    assert tuple(loss_type.choices) == ('ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk', 'nla')
+    assert tuple(loss_type.choices) == MTP_LOSS_TYPES
     assert loss_type.default == 'ce'
     assert actions['mtp_tv_chunk'].option_strings == ['--mtp-tv-chunk'] and actions['mtp_tv_chunk'].type is int
     assert actions['mtp_log_acceptance'].option_strings == ['--mtp-log-acceptance']

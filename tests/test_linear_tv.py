@@ -6,9 +6,9 @@ import torch
 from megatron.mtp_tv.linear_tv import (
     AUTO_CHUNK_MIN_BYTES, AUTO_CHUNK_WEIGHT_GRADS, auto_chunk_tokens, linear_tv_loss,
 )
-from megatron.mtp_tv.losses import EndToEndTVLoss
+from megatron.mtp_tv.losses import LOSSES, EndToEndTVLoss, make_loss
 from megatron.mtp_tv.row_ops import TorchRowOps
-from tests.reference import depth_alphas, depth_terms, objective, token_weights
+from tests.reference import depth_terms, objective, token_weights
 
 S, B, H, V = 7, 2, 8, 13
 
@@ -22,6 +22,11 @@ def _inputs(G, seed=0, dtype=torch.float64):
     for k in range(G):  # the last k+1 positions have no target, as after Megatron's rolls
         masks[k, S - k - 1 :] = 0
     return draft, target, weight, masks
+
+
+def _loss(loss_type, eta):
+    """``loss_type`` with ``eta`` where it has one (``'lk'``)."""
+    return make_loss(loss_type, **({'eta': eta} if 'eta' in LOSSES[loss_type].config_fields else {}))
 
 
 def _reference(loss_type, draft, target, weight, masks, scale=0.3, logits_fn=None, temperature=1.0, eta=3.0):
@@ -64,8 +69,8 @@ def test_matches_reference(loss_type, G, chunk, fused, dtype):
 def test_kl_lk_and_temperature_match_reference(loss_type, temperature, eta, G, chunk, fused):
     draft, target, weight, masks = _inputs(G)
     out = linear_tv_loss(
-        draft, target, weight, token_weights(loss_type, masks), loss_type=loss_type,
-        chunk_size=chunk, fused=fused, temperature=temperature, lk_eta=eta,
+        draft, target, weight, token_weights(loss_type, masks),
+        chunk_size=chunk, fused=fused, temperature=temperature, loss_type=_loss(loss_type, eta),
     )
     out.loss.backward()
     got = (draft.grad.clone(), weight.grad.clone())
@@ -83,7 +88,7 @@ def test_lk_with_eta_zero_is_kl_and_large_eta_approaches_tv():
     values = {}
     for name, loss_type, eta in (('kl', 'kl', 3.0), ('lk0', 'lk', 0.0), ('tv', 'tv', 3.0), ('lk_big', 'lk', 1e4)):
         d, w = draft.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
-        out = linear_tv_loss(d, target, w, token_weights(loss_type, masks), loss_type=loss_type, lk_eta=eta)
+        out = linear_tv_loss(d, target, w, token_weights(loss_type, masks), loss_type=_loss(loss_type, eta))
         out.loss.backward()
         values[name] = (out.loss, d.grad, w.grad)
     for a, b in zip(values['kl'], values['lk0']):
@@ -93,7 +98,7 @@ def test_lk_with_eta_zero_is_kl_and_large_eta_approaches_tv():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
 
 
-@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv', 'kl', 'lk', 'nla'])
+@pytest.mark.parametrize('loss_type', list(LOSSES))
 @pytest.mark.parametrize('chunk', [0, 1, 5, 100])
 def test_fused_and_recompute_paths_agree_exactly(loss_type, chunk):
     results = []
@@ -228,7 +233,7 @@ def test_greedy_agreement_compares_draft_and_target_argmax():
     assert linear_tv_loss(draft, target, weight, token_weights('kl', masks), loss_type='kl').greedy_agreement is None
 
 
-@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv', 'kl', 'lk', 'nla'])
+@pytest.mark.parametrize('loss_type', list(LOSSES))
 @pytest.mark.parametrize('chunk', [0, 4])
 def test_empty_local_sequence_gives_a_zero_loss_that_keeps_the_graph(loss_type, chunk):
     draft = torch.randn(2, 0, 3, 8, requires_grad=True)

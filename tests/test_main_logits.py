@@ -9,6 +9,7 @@ import torch
 
 import megatron.mtp_tv
 from megatron.mtp_tv import mtp_loss as mtp_loss_module
+from megatron.mtp_tv.losses import LOSSES
 from megatron.mtp_tv.main_logits import MAIN_LOGITS_ENV, reuse_main_logits
 from megatron.mtp_tv.testing.distributed import single_process
 from megatron.mtp_tv.testing.models import build_gpt_with_mtp, forward_loss
@@ -68,7 +69,7 @@ def _step(model, monkeypatch=None, own=False):
     return loss.detach(), grads, seen
 
 
-@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv', 'kl', 'lk', 'nla'])
+@pytest.mark.parametrize('loss_type', list(LOSSES))
 @pytest.mark.parametrize('tie', [True, False])
 def test_main_logits_target_equals_the_own_projection_and_keeps_megatrons_main_loss(loss_type, tie):
     model = _model(loss_type, tie_embeddings=tie)

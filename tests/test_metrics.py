@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import megatron.mtp_tv
+from megatron.mtp_tv.losses import LOSSES
 from megatron.mtp_tv.testing.distributed import single_process
 from megatron.mtp_tv.testing.models import build_gpt_with_mtp, forward_loss
 from tests.model_reference import mtp_reference_objective, recorded_mtp_hidden
@@ -81,8 +82,8 @@ def _logged_metrics(depth, total_loss_dict=None, **config):
 
 
 @pytest.mark.parametrize('config', [
-    {'mtp_loss_type': 'tv'}, {'mtp_loss_type': 'e2e_tv'}, {'mtp_loss_type': 'kl'},
-    {'mtp_loss_type': 'lk', 'mtp_tv_temperature': 0.7}, {'mtp_loss_type': 'nla'},
+    {'mtp_loss_type': name, **({'mtp_tv_temperature': 0.7} if name == 'lk' else {})} for name in LOSSES
+] + [
     {'mtp_loss_type': 'ce', 'mtp_log_acceptance': True},
     {'mtp_loss_type': 'ce', 'mtp_log_acceptance': True, 'mtp_tv_temperature': 0.6},
 ])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import megatron.mtp_tv
+from megatron.mtp_tv.losses import LOSSES
 from megatron.mtp_tv.testing.distributed import single_process
 from megatron.mtp_tv.testing.models import build_gpt_with_mtp, forward_loss
 from tests.model_reference import mtp_reference_objective, recorded_mtp_hidden
@@ -155,7 +156,7 @@ def test_kl_lk_and_temperature_match_reference(loss_type, overrides, chunk):
     _assert_same_grads(grads, ref_grads)
 
 
-@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv', 'kl', 'lk', 'nla'])
+@pytest.mark.parametrize('loss_type', list(LOSSES))
 @pytest.mark.parametrize(
     'tie,overrides',
     [

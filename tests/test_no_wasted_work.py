@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron.mtp_tv
 from megatron.mtp_tv.linear_tv import linear_tv_loss
+from megatron.mtp_tv.losses import LOSSES
 from megatron.mtp_tv.testing.distributed import single_process
 from megatron.mtp_tv.testing.models import build_gpt_with_mtp, forward_loss
 from tests.reference import token_weights
@@ -54,7 +55,7 @@ def _inputs(G=2, s=12, b=2, h=8, V=32):
     return draft, target, weight, masks
 
 
-@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv', 'kl', 'lk', 'nla'])
+@pytest.mark.parametrize('loss_type', list(LOSSES))
 @pytest.mark.parametrize('fused', [True, False])
 def test_products_in_eval_and_training(loss_type, fused):
     G, chunk_positions = 2, 3

@@ -40,6 +40,7 @@ for _p in (_HERE, _ROOT):
 
 from lossbench.cases import _CEProducts, _TVProducts  # noqa: E402
 from megatron.mtp_tv.linear_tv import linear_tv_loss  # noqa: E402
+from megatron.mtp_tv.losses import LOSSES  # noqa: E402
 from megatron.mtp_tv.row_ops import TRITON_ENV, TorchRowOps, TritonRowOps, select_row_ops  # noqa: E402
 from tests.reference import depth_terms, objective, token_weights  # noqa: E402
 
@@ -51,7 +52,8 @@ def check_against_reference(device: str, quick: bool) -> List[dict]:
     """fp32 loss and gradients on ``device`` vs the float64 CPU reference."""
     S, B, H, V = (9, 2, 16, 300) if quick else (37, 2, 32, 5003)
     results = []
-    for loss_type, temperature in (('tv', 1.0), ('e2e_tv', 1.0), ('kl', 1.0), ('lk', 0.7), ('nla', 1.0)):
+    for loss_type in LOSSES:
+        temperature = 0.7 if loss_type == 'lk' else 1.0
         for G in (1, 3):
             g = torch.Generator().manual_seed(G)
             draft = torch.randn(G, S, B, H, generator=g, dtype=torch.float64)

@@ -9,20 +9,25 @@ The fields below are the single source of truth for both ways of shipping the fe
   :class:`MTPLossConfig`, docstrings included, into the ``TransformerConfig`` source of the patched
   tree, so that tree's ``ArgumentGroupFactory`` exposes ``--mtp-loss-type`` and friends natively.
 
-This module must not import Megatron: it is imported before Megatron is patched.
+This module must not import Megatron: it is imported before Megatron is patched (and by
+``TransformerConfig`` itself in patch mode).
 """
 
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
-MTPLossType = Literal['ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk', 'nla']
-
-MTP_LOSS_TYPES: tuple = get_args(MTPLossType)
+from .losses import LOSSES
 
 #: Names of Megatron's own cross-entropy MTP loss: ``'ce'`` here, ``'cross_entropy'`` in
 #: upstream Megatron-LM's pull request for the same feature (NVIDIA/Megatron-LM #6473).
 CROSS_ENTROPY_NAMES = ('ce', 'cross_entropy')
+
+#: Every ``mtp_loss_type``: cross-entropy, then the registry of :mod:`.losses`. The ``Literal`` of
+#: :attr:`MTPLossConfig.mtp_loss_type` spells them out (the patches copy its source into
+#: ``TransformerConfig``, and Megatron's argument factory reads its choices from it);
+#: ``tests/test_registry.py`` holds the two equal.
+MTP_LOSS_TYPES: tuple = CROSS_ENTROPY_NAMES + tuple(LOSSES)
 
 
 def is_cross_entropy(loss_type: str) -> bool:
@@ -114,9 +119,15 @@ def validate_mtp_loss_config(config) -> None:
         raise ValueError(
             f"mtp_tv_temperature={temperature!r} is invalid; it must be a finite number > 0."
         )
-    eta = getattr(config, 'mtp_lk_eta', 3.0)
-    if not _is_real(eta) or not math.isfinite(eta) or eta < 0:
-        raise ValueError(f"mtp_lk_eta={eta!r} is invalid; it must be a finite number >= 0.")
+    for loss in LOSSES.values():  # each loss checks its own hyper-parameters
+        for arg, field in loss.config_fields.items():
+            if not hasattr(config, field):
+                continue
+            value = getattr(config, field)
+            try:
+                loss(**{arg: value})
+            except ValueError as error:
+                raise ValueError(f"{field}={value!r} is invalid; {error}") from None
     log_acceptance = getattr(config, 'mtp_log_acceptance', False)
     if not isinstance(log_acceptance, bool):
         raise ValueError(f"mtp_log_acceptance={log_acceptance!r} must be True or False.")

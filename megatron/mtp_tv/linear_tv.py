@@ -57,7 +57,7 @@ No Megatron imports here.
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable, Literal, NamedTuple, Optional, Sequence
+from typing import Callable, Literal, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -66,7 +66,6 @@ from .row_ops import select_row_ops
 from .scratch import Scratch
 from .vocab_parallel import ProcessGroup, all_reduce_sum_, group_size, vocab_range
 
-TVLossType = Literal['tv', 'e2e_tv', 'kl', 'lk', 'nla']
 GradStorage = Literal['auto', 'dense', 'logit_grads']
 _GRAD_STORAGES = ('auto', 'dense', 'logit_grads')
 
@@ -163,7 +162,7 @@ def linear_tv_loss(
     target_hidden: torch.Tensor,
     weight: torch.Tensor,
     token_weights: torch.Tensor,
-    loss_type: TVLossType = 'tv',
+    loss_type: Union[str, DraftLoss] = 'tv',
     chunk_size: int = 0,
     tp_group: ProcessGroup = None,
     logits_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
@@ -171,7 +170,6 @@ def linear_tv_loss(
     labels: Optional[torch.Tensor] = None,
     fused: bool = True,
     temperature: float = 1.0,
-    lk_eta: float = 3.0,
     metrics: bool = False,
     target_logits: Optional[torch.Tensor] = None,
     grad_storage: GradStorage = 'auto',
@@ -186,7 +184,8 @@ def linear_tv_loss(
         weight: ``[V/tp, h]`` output-layer weight shard.
         token_weights: loss weights, mask and normalisation included: ``[G, s, b]``, or
             ``[s, b]`` (one weight per chain) for ``'e2e_tv'``.
-        loss_type: ``'tv'``, ``'e2e_tv'``, ``'kl'``, ``'lk'`` or ``'nla'`` (see :mod:`.losses`).
+        loss_type: the objective: a :class:`~.losses.DraftLoss`, or the name of one in
+            :data:`~.losses.LOSSES` (built with its default hyper-parameters).
         chunk_size: tokens per chunk (0: :func:`auto_chunk_tokens`). A chunk covers
             ``max(1, chunk_size // b)`` positions.
         tp_group: group the vocabulary is sharded over (None: full vocabulary on this rank).
@@ -196,7 +195,6 @@ def linear_tv_loss(
         labels: optional ``[G, s, b]`` token ids for greedy-accuracy counts.
         fused: compute gradients during forward (default) or recompute chunks in backward.
         temperature: verification temperature T > 0: p and q are softmax(logits / T).
-        lk_eta: ``eta`` of ``'lk'``.
         metrics: also compute the greedy agreement of draft and target argmax.
         target_logits: optional ``[s, b, V/tp]`` logits of the target rows, i.e. the main head's
             own ``target_hidden @ W^T`` (any dtype; before ``logits_fn`` and temperature, which
@@ -212,7 +210,7 @@ def linear_tv_loss(
     Returns:
         :class:`TVLossResult`.
     """
-    loss = make_loss(loss_type, lk_eta)
+    loss = loss_type if isinstance(loss_type, DraftLoss) else make_loss(loss_type)
     if draft_hidden.dim() != 4:
         raise ValueError(f"draft_hidden must be [G, s, b, h], got shape {tuple(draft_hidden.shape)}.")
     G, s, b, h = draft_hidden.shape
@@ -232,7 +230,7 @@ def linear_tv_loss(
     expected = (s, b) if loss.per_chain else (G, s, b)
     if tuple(token_weights.shape) != expected:
         raise ValueError(
-            f"token_weights for {loss_type!r} must have shape {expected}, "
+            f"token_weights for {loss.name!r} must have shape {expected}, "
             f"got {tuple(token_weights.shape)}."
         )
     if labels is not None and tuple(labels.shape) != (G, s, b):

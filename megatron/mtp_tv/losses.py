@@ -21,10 +21,13 @@ wherever ``q_v < p_v``), so ``|tv_coef| * alpha + |kl_coef| <= c * w`` suffices.
 LK losses have ``|tv_coef| + |kl_coef| <= w`` (``c = 1``); ``'nla'``'s ``tv_coef = w / alpha_f``
 is unbounded, yet ``tv_coef * alpha <= w`` (``c = 1`` too).
 
-Adding a loss means adding a class here; the sweep does not change. No Megatron imports.
+Adding a loss means adding a class here (and, for a hyper-parameter, its ``TransformerConfig``
+field in :mod:`.config`, named in :attr:`DraftLoss.config_fields`): the registry :data:`LOSSES`
+is the one list of loss names, from which ``mtp_loss_type``'s choices, the demos' arms and the
+tests' loss lists derive. The sweep does not change. No Megatron imports.
 """
 
-from typing import Dict, NamedTuple, Optional, Tuple, Type
+from typing import ClassVar, Dict, NamedTuple, Optional, Tuple, Type
 
 import torch
 
@@ -49,8 +52,8 @@ class DraftLoss:
         name: the ``mtp_loss_type`` value.
         per_chain: token weights are ``[s, b]``, one per chain of depths (else ``[G, s, b]``).
         needs_kl: the sweep must compute ``KL(p || q)`` per row.
-        tv_grad / kl_grad: which gradient terms the loss has (the sweep skips the others'
-            per-row sums and passes).
+        tv_grad: the gradient has a TV term (the sweep then computes the per-row dot product
+            ``sum_v q_v 1[q_v < p_v]`` it needs).
         row_local: a row's coefficients depend on that row alone, so on a single vocabulary
             shard the gradient can be written in the same pass that computes the row's sums.
     """
@@ -59,8 +62,9 @@ class DraftLoss:
     per_chain: bool = False
     needs_kl: bool = False
     tv_grad: bool = False
-    kl_grad: bool = False
     row_local: bool = True
+    config_fields: ClassVar[Dict[str, str]] = {}
+    """``{constructor argument: TransformerConfig field}`` of the loss's hyper-parameters."""
     grad_bound: float = 1.0
     """``c`` with ``max_v |dL/dz_v| <= c * w`` per row (dL/dz w.r.t. the logits divided by T); the
     sweep's low-precision gradient scaling relies on it (see the module docstring)."""
@@ -132,7 +136,6 @@ class KLLoss(DraftLoss):
 
     name = 'kl'
     needs_kl = True
-    kl_grad = True
 
     def row_coefficients(self, alpha, w):
         return None, w
@@ -149,11 +152,11 @@ class LKLoss(DraftLoss):
     name = 'lk'
     needs_kl = True
     tv_grad = True
-    kl_grad = True
+    config_fields = {'eta': 'mtp_lk_eta'}
 
     def __init__(self, eta: float = 3.0):
-        if not eta >= 0:
-            raise ValueError(f'lk eta={eta!r} must be >= 0.')
+        if isinstance(eta, bool) or not (isinstance(eta, (int, float)) and 0 <= eta < float('inf')):
+            raise ValueError(f'it must be a finite number >= 0 (lk eta={eta!r}).')
         self.eta = float(eta)
 
     def mix(self, alpha: torch.Tensor) -> torch.Tensor:
@@ -198,13 +201,32 @@ class NLALoss(DraftLoss):
         return -torch.log(alpha.clamp(min=NLA_ALPHA_FLOOR))
 
 
+#: The registry: every ``mtp_loss_type`` but cross-entropy, in the order the CLI lists them.
 LOSSES: Dict[str, Type[DraftLoss]] = {
     cls.name: cls for cls in (TVLoss, EndToEndTVLoss, KLLoss, LKLoss, NLALoss)
 }
 
 
-def make_loss(loss_type: str, lk_eta: float = 3.0) -> DraftLoss:
-    """The :class:`DraftLoss` for an ``mtp_loss_type`` other than cross-entropy."""
+def make_loss(loss_type: str, **hyperparameters) -> DraftLoss:
+    """The :class:`DraftLoss` named ``loss_type`` (a key of :data:`LOSSES`).
+
+    Args:
+        loss_type: an ``mtp_loss_type`` other than cross-entropy.
+        **hyperparameters: the loss's constructor arguments (e.g. ``eta`` of ``'lk'``); the
+            defaults where omitted.
+    """
     if loss_type not in LOSSES:
-        raise ValueError(f'loss_type={loss_type!r}; expected one of {sorted(LOSSES)}.')
-    return LKLoss(lk_eta) if loss_type == 'lk' else LOSSES[loss_type]()
+        raise ValueError(f'loss_type={loss_type!r}; expected one of {list(LOSSES)}.')
+    return LOSSES[loss_type](**hyperparameters)
+
+
+def loss_from_config(config, loss_type: Optional[str] = None) -> DraftLoss:
+    """The :class:`DraftLoss` of a ``TransformerConfig``: ``loss_type`` (default
+    ``config.mtp_loss_type``) with its hyper-parameters read from the fields the class names in
+    :attr:`DraftLoss.config_fields` (the class default where the config lacks one)."""
+    loss_type = loss_type or config.mtp_loss_type
+    cls = LOSSES.get(loss_type)
+    fields = cls.config_fields.items() if cls is not None else ()
+    return make_loss(
+        loss_type, **{arg: getattr(config, f) for arg, f in fields if hasattr(config, f)}
+    )

@@ -27,7 +27,7 @@ from .alignment import CP_LAYOUTS, target_segments
 from .bridge import check_megatron_args
 from .config import is_cross_entropy, validate_mtp_loss_config
 from .linear_tv import TargetSegment, linear_tv_loss
-from .losses import LOSSES
+from .losses import loss_from_config
 from .main_logits import open_slot
 from .metrics import save_acceptance_to_tracker
 from .vocab_parallel import group_size, vocab_range
@@ -146,6 +146,7 @@ def process_mtp_tv_loss(
     loss_type = getattr(config, 'mtp_loss_type', 'ce')
     if is_cross_entropy(loss_type):
         loss_type = 'tv'  # metrics only
+    loss_fn = loss_from_config(config, loss_type)
     # One split into the main rows and every depth's rows, as Megatron's torch.chunk: in
     # backward one node then assembles the [(1+D)s, b, h] gradient; two views of hidden_states
     # (a chunk and a slice) would each build one of that size, and the loss would peak above CE.
@@ -193,7 +194,7 @@ def process_mtp_tv_loss(
     masks = torch.stack(depth_masks).float()  # [D, b, s]
 
     # Weights carry mask and normalisation: the loss is then Megatron's scale * sum(tensor).
-    if not LOSSES[loss_type].per_chain:  # per depth and token, normalised per depth as CE
+    if not loss_fn.per_chain:  # per depth and token, normalised per depth as CE
         num_tokens = torch.stack(depth_num_tokens).float().clamp(min=1)  # [D]
         scale = config.mtp_loss_scaling_factor / depth
         norm = scale / num_tokens
@@ -252,7 +253,7 @@ def process_mtp_tv_loss(
             target if main_logits is None else None,
             weight,
             token_weights,
-            loss_type=loss_type,
+            loss_type=loss_fn,
             chunk_size=config.mtp_tv_chunk,
             tp_group=tp_group,
             logits_fn=scale_logits_fn,
@@ -260,7 +261,6 @@ def process_mtp_tv_loss(
             labels=stacked_labels,
             fused=fused,
             temperature=getattr(config, 'mtp_tv_temperature', 1.0),
-            lk_eta=getattr(config, 'mtp_lk_eta', 3.0),
             metrics=is_training,
             target_logits=main_logits,
         )
