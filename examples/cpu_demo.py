@@ -23,8 +23,8 @@ A tiny megatron-core GPTModel with MTP heads (the real Megatron loss path, with 
    the main model's argmax) and, for the warm arms, sampling at the serving temperature.
 
 Writes ``results.json`` (every number and setting), ``acceptance.png`` (warm heal) and
-``cold_start.png`` to ``--out-dir`` and prints the tables. Defaults finish in about 5-6 minutes
-on two CPU cores; deterministic for a seed.
+``cold_start.png`` to ``--out-dir`` and prints the tables. Defaults finish in minutes on two
+CPU cores (measured: docs/cpu_demo.md); deterministic for a seed.
 
     .venv/bin/python examples/cpu_demo.py                       # the default experiment
     .venv/bin/python examples/cpu_demo.py --corpus-b my.txt     # drift/heal on your own text

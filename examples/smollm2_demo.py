@@ -15,7 +15,7 @@ Presets (``smollm2_lib.experiment.PRESETS``):
   40 steps of 1024 tokens with each loss at one learning rate, one seed;
 * ``long`` (``make demo-smollm2 ARGS='--preset long'``): cold start with a learning-rate sweep and
   two seeds, a three-depth chain, a head grafted onto a fine-tuned backbone and healed with every
-  loss, and joint training of backbone and head. About three hours on two cores; every finished
+  loss, and joint training of backbone and head. Hours on two cores (measured: docs/smollm2_demo.md); every finished
   part is written at once (``--commit`` commits it) and a rerun skips it.
 
 Writes ``parts/*.json``, ``report.md``, ``summary.json`` and ``smollm2_curves.png`` to

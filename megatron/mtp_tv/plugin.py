@@ -1,6 +1,6 @@
 """Install the TV losses into a running megatron-core (plugin mode).
 
-:func:`install` does three things, each idempotent:
+:func:`install` does four things, each idempotent:
 
 1. adds the fields of :class:`~megatron.mtp_tv.config.MTPLossConfig` to ``TransformerConfig`` and
    every already-imported dataclass subclass (re-running ``dataclasses.dataclass`` on them, so
