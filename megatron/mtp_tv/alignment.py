@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .linear_tv import TargetSegment
+from .sweep import TargetSegment
 from .vocab_parallel import ProcessGroup, group_rank, group_size
 
 #: Context-parallel layouts :func:`target_segments` aligns (``PackedSeqParams.cp_partition_mode``).

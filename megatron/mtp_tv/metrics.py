@@ -25,11 +25,15 @@ import torch.distributed as dist
 
 from megatron.core.transformer import multi_token_prediction as _mtp
 
-from .linear_tv import expected_accepted
 
 #: One flat statistics vector per micro-batch: per depth ``[alpha sum, token count, greedy
 #: agreements]``, then ``[sum of expected accepted drafts, of greedy accepted drafts, chains]``.
 STATS = 'tv_acceptance_stats'
+
+
+def expected_accepted(alpha: torch.Tensor) -> torch.Tensor:
+    """``sum_j prod_{i<=j} alpha_i`` over the leading (depth) dimension of ``alpha``."""
+    return alpha.cumprod(0).sum(0)
 
 
 def save_acceptance_to_tracker(

@@ -26,7 +26,8 @@ from megatron.core.transformer import multi_token_prediction as _mtp
 from .alignment import CP_LAYOUTS, target_segments
 from .bridge import check_megatron_args
 from .config import is_cross_entropy, validate_mtp_loss_config
-from .linear_tv import TargetSegment, linear_tv_loss
+from .linear_tv import linear_tv_loss
+from .sweep import TargetSegment
 from .losses import loss_from_config
 from .main_logits import open_slot
 from .metrics import save_acceptance_to_tracker
