@@ -106,7 +106,7 @@ def chain_losses() -> List[str]:
 
 PRESETS: Dict[str, Preset] = {
     'long': Preset(name='long', scenarios=('cold', 'graft', 'joint', 'chain'), seeds=(0, 1)),
-    # The cold-start ranking, meant to fit in 30 minutes (not yet timed from a fresh clone): 40
+    # The cold-start ranking within 30 minutes (measured: docs/smollm2_demo.md, Presets): 40
     # steps, one seed, each loss at the learning rate the long preset's sweep chose
     # (examples/smollm2_results/long/report.md), the same evaluation. A loss the sweep has not
     # seen yet runs at lr_grid's value.
