@@ -206,7 +206,7 @@ def start_megatron(threads: int) -> None:
     algorithms deterministic (a demo's numbers depend on the seed alone)."""
     import torch
 
-    from megatron.mtp_tv.testing.cpu import quiet_megatron_warnings
+    from mtp_tv_dev.cpu import quiet_megatron_warnings
 
     quiet_megatron_warnings()
     import megatron.mtp_tv
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> Dict:
 
     start_megatron(args.threads)
     from megatron.mtp_tv.metrics import acceptance_metrics
-    from megatron.mtp_tv.testing.distributed import single_process
+    from mtp_tv_dev.distributed import single_process
 
     from cpu_demo_lib import corpus as C
     from cpu_demo_lib import evaluate as E

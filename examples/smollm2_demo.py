@@ -78,7 +78,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     store = X.Store(args.results_dir, preset.common(), commit=args.commit)
     if not args.report_only:
         start_megatron(preset.threads)
-        from megatron.mtp_tv.testing.distributed import single_process
+        from mtp_tv_dev.distributed import single_process
 
         t0 = time.monotonic()
         experiment = X.Experiment(preset, store, args.cache_dir,

@@ -1,4 +1,5 @@
-"""CPU test and demo support for ``megatron.mtp_tv`` (never imported by product code).
+"""Test and demo support for ``megatron.mtp_tv``: never imported by the product, never installed
+with it (``setup.py`` packages ``megatron.mtp_tv`` alone) and never copied by the patches.
 
 * :mod:`.cpu` - shims that let megatron-core 0.19.2 models run on a CPU with gloo.
 * :mod:`.distributed` - :func:`spawn` gloo workers with megatron's parallel state, and
@@ -10,6 +11,8 @@
   local layer and MTP specs, CPU provider settings.
 * :mod:`.contiguous` - NVIDIA dev's contiguous packed context-parallel layout (its roll
   context and list-form ``roll_tensor``) for trees that lack it.
+* :mod:`.speculative` - the rejection-sampling verifier of the demos' speculative decoding.
 
+Importable from a checkout (the development install puts the repository root on ``sys.path``).
 Importing this package imports torch but not megatron; the submodules import megatron lazily.
 """

@@ -32,7 +32,7 @@ class _NotTransformerEngine:
 
 def _stand_in_modules() -> dict:
     te = types.ModuleType('transformer_engine')
-    te.__doc__ = 'Stand-in for megatron.bridge.peft.lora_layers on a CPU (megatron.mtp_tv.testing.bridge).'
+    te.__doc__ = 'Stand-in for megatron.bridge.peft.lora_layers on a CPU (mtp_tv_dev.bridge).'
     pytorch = types.ModuleType('transformer_engine.pytorch')
     ops = types.ModuleType('transformer_engine.pytorch.ops')
     pytorch.Linear = type('Linear', (_NotTransformerEngine,), {})

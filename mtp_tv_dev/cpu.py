@@ -31,7 +31,7 @@ reason given next to it:
   ``process_mtp_loss`` run with a CP group of 2 on their own.
 
 Every patch is process-wide and idempotent, and :func:`remove_cpu_shims` undoes them all
-(:func:`~megatron.mtp_tv.testing.distributed.single_process` does so on exit). Do not leave them
+(:func:`~mtp_tv_dev.distributed.single_process` does so on exit). Do not leave them
 applied in a process that should use a GPU.
 """
 

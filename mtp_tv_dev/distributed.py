@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 
-from megatron.mtp_tv.testing.cpu import apply_cpu_shims, cpu_shims_applied, remove_cpu_shims
+from mtp_tv_dev.cpu import apply_cpu_shims, cpu_shims_applied, remove_cpu_shims
 
 __all__ = [
     "WorkerError",
@@ -59,9 +59,9 @@ _PRELOAD = [
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.models.gpt.gpt_layer_specs",
     "megatron.core.transformer.multi_token_prediction",
-    "megatron.mtp_tv.testing.distributed",
-    "megatron.mtp_tv.testing.models",
-    "megatron.mtp_tv.testing.packed",
+    "mtp_tv_dev.distributed",
+    "mtp_tv_dev.models",
+    "mtp_tv_dev.packed",
 ]
 
 

@@ -1,7 +1,7 @@
 """Tiny megatron-core GPTModels with MTP for CPU tests and the demo.
 
-Call these inside :func:`megatron.mtp_tv.testing.distributed.spawn` workers or
-:func:`~megatron.mtp_tv.testing.distributed.single_process` (they need megatron's parallel state
+Call these inside :func:`mtp_tv_dev.distributed.spawn` workers or
+:func:`~mtp_tv_dev.distributed.single_process` (they need megatron's parallel state
 and the CPU shims).
 
 How GPTModel 0.19.2 wires MTP (``models/gpt/gpt_model.py::_postprocess``):
@@ -96,7 +96,7 @@ def build_gpt_with_mtp(
     )
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron.mtp_tv.testing.distributed import seed_everything
+    from mtp_tv_dev.distributed import seed_everything
 
     config = _cpu_config(
         vocab_size, num_layers, hidden_size, num_attention_heads, mtp_num_layers,
@@ -229,7 +229,7 @@ def build_hybrid_with_mtp(
     """
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    from megatron.mtp_tv.testing.distributed import seed_everything
+    from mtp_tv_dev.distributed import seed_everything
 
     if set(main_pattern + mtp_pattern) - set("*-"):
         raise ValueError(
@@ -257,7 +257,7 @@ def build_hybrid_with_mtp(
 
 def _default_position_ids(tokens: torch.Tensor, packed_seq_params) -> torch.Tensor:
     if packed_seq_params is not None:
-        from megatron.mtp_tv.testing.packed import packed_position_ids
+        from mtp_tv_dev.packed import packed_position_ids
 
         return packed_position_ids(packed_seq_params, tokens.size(0)).to(tokens.device)
     batch, seq = tokens.shape
@@ -285,7 +285,7 @@ def forward_loss(
     per sequence when ``packed_seq_params`` is given, ``b`` must then be 1). ``attention_mask``
     defaults to the causal mask (ignored for packed batches, see ``cpu.py``).
     """
-    from megatron.mtp_tv.testing.cpu import causal_attention_mask
+    from mtp_tv_dev.cpu import causal_attention_mask
 
     if position_ids is None:
         position_ids = _default_position_ids(tokens, packed_seq_params)

@@ -9,7 +9,7 @@
 * Fixture ``megatron_cpu``: the body of the test runs inside ``single_process()`` (gloo world of
   one, TP=CP=1, CPU shims, seeded).
 
-Multi-process tests: ``megatron.mtp_tv.testing.distributed.spawn(fn, world_size, *args, tp=, cp=)``
+Multi-process tests: ``mtp_tv_dev.distributed.spawn(fn, world_size, *args, tp=, cp=)``
 with ``fn`` a module-level function of the test module (it is pickled by name).
 """
 
@@ -29,13 +29,13 @@ from patch_mode import pytest_collection_modifyitems, pytest_configure  # noqa: 
 if patch_mode.active():
     patch_mode.activate()
 
-from megatron.mtp_tv.testing.cpu import quiet_megatron_warnings  # noqa: E402
+from mtp_tv_dev.cpu import quiet_megatron_warnings  # noqa: E402
 
 quiet_megatron_warnings()
 
 
 def _reset_if_megatron_loaded():
-    from megatron.mtp_tv.testing.cpu import cpu_shims_applied, remove_cpu_shims
+    from mtp_tv_dev.cpu import cpu_shims_applied, remove_cpu_shims
 
     # A test that applied the CPU shims itself: restore torch.cuda for the next (maybe GPU) test.
     if cpu_shims_applied():
@@ -45,7 +45,7 @@ def _reset_if_megatron_loaded():
         return
     import torch.distributed as dist
 
-    from megatron.mtp_tv.testing.distributed import reset_megatron_state
+    from mtp_tv_dev.distributed import reset_megatron_state
 
     reset_megatron_state()
     if dist.is_available() and dist.is_initialized():
@@ -62,7 +62,7 @@ def _clean_megatron_state():
 @pytest.fixture
 def megatron_cpu():
     """Run the test inside ``single_process()``: world size 1, TP=CP=1, CPU shims, seed 1234."""
-    from megatron.mtp_tv.testing.distributed import single_process
+    from mtp_tv_dev.distributed import single_process
 
     with single_process():
         yield

@@ -9,7 +9,7 @@ before any test module is imported):
   ``megatron.core.transformer.mtp_tv`` modules (same objects in ``sys.modules``), so tests written
   against ``megatron.mtp_tv`` exercise the code the patch installed, never this checkout's
   copy of the package;
-* keeps ``megatron.mtp_tv.testing`` (test support, not shipped in patches) from this checkout;
+* leaves ``mtp_tv_dev`` (test and demo support, never shipped) as it is: this checkout's;
 * turns ``install()`` into a no-op: the patched tree has the feature natively, nothing is
   monkey-patched into megatron-core.
 
@@ -17,8 +17,6 @@ Tests that only make sense for the plugin are marked ``@pytest.mark.plugin_only`
 """
 
 import importlib
-import importlib.abc
-import importlib.util
 import os
 import pkgutil
 import sys
@@ -35,18 +33,6 @@ def active() -> bool:
     return os.environ.get(MODE_ENV, 'plugin') == 'patch'
 
 
-class _TestingFinder(importlib.abc.MetaPathFinder):
-    """``megatron.mtp_tv.testing`` from this checkout (the aliased parent's path is the tree's)."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != 'megatron.mtp_tv.testing':
-            return None
-        init = ROOT / 'megatron' / 'mtp_tv' / 'testing' / '__init__.py'
-        return importlib.util.spec_from_file_location(
-            fullname, init, submodule_search_locations=[str(init.parent)]
-        )
-
-
 def _within(path, root: Path) -> bool:
     return Path(path).resolve().is_relative_to(root.resolve())
 
@@ -56,8 +42,7 @@ def activate() -> Path:
     tree = Path(os.environ[TREE_ENV]).resolve()
     if not (tree / NATIVE.replace('.', '/') / '__init__.py').exists():
         raise RuntimeError(f'{TREE_ENV}={tree} is not a patched tree (no {NATIVE})')
-    if any(name == 'megatron.mtp_tv' or name.startswith('megatron.mtp_tv.') and
-           not name.startswith('megatron.mtp_tv.testing') for name in sys.modules):
+    if any(name == 'megatron.mtp_tv' or name.startswith('megatron.mtp_tv.') for name in sys.modules):
         raise RuntimeError('megatron.mtp_tv was imported from the checkout before patch mode')
     sys.path.insert(0, str(tree))
     import megatron.core
@@ -74,7 +59,6 @@ def activate() -> Path:
         except ImportError:  # an optional backend (e.g. triton) missing: tests skip it anyway
             continue
         sys.modules[f'megatron.mtp_tv.{info.name}'] = module
-    sys.meta_path.insert(0, _TestingFinder())
 
     def install() -> None:
         """No-op: the patched tree has the MTP TV losses natively."""

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import megatron.mtp_tv
-from megatron.mtp_tv.testing.distributed import single_process
-from megatron.mtp_tv.testing.models import build_gpt_with_mtp, forward_loss
+from mtp_tv_dev.distributed import single_process
+from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss
 from megatron_args import miles_extra_args_provider, parse
 from test_args_forwarding import BASE
 

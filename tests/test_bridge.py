@@ -13,7 +13,7 @@ reference from the equations (``tests/reference.py``), for the loss type asked f
   ``megatron.mtp_tv.bridge``; where they cannot (a provider finalized before ``set_args``), the
   first MTP loss stops with a ``ValueError``.
 
-CPU stand-ins (test code only, ``megatron/mtp_tv/testing/bridge.py``): a Transformer Engine
+CPU stand-ins (test code only, ``mtp_tv_dev/bridge.py``): a Transformer Engine
 module for ``megatron.bridge.peft.lora_layers``' import, the local layer and MTP specs,
 ``AttnBackend.local`` and the fusions off. Versions: ``requirements-hf.txt``.
 """
@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import megatron.mtp_tv
-from megatron.mtp_tv.testing.bridge import cpu_provider_settings, import_bridge, local_mtp_block_spec
-from megatron.mtp_tv.testing.distributed import seed_everything, single_process
-from megatron.mtp_tv.testing.models import forward_loss
+from mtp_tv_dev.bridge import cpu_provider_settings, import_bridge, local_mtp_block_spec
+from mtp_tv_dev.distributed import seed_everything, single_process
+from mtp_tv_dev.models import forward_loss
 from megatron_args import miles_extra_args_provider, validated_args
 from test_args_forwarding import BASE
 from tests.model_reference import mtp_reference_objective, recorded_mtp_hidden

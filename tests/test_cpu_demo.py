@@ -222,7 +222,7 @@ def test_demo_forward_matches_gpt_model_forward(megatron_cpu):
     plugin's TV loss logs for the same batch (two independent implementations)."""
     import megatron.mtp_tv
     from megatron.mtp_tv.metrics import acceptance_metrics
-    from megatron.mtp_tv.testing.models import capture_mtp_hidden_states, forward_loss
+    from mtp_tv_dev.models import capture_mtp_hidden_states, forward_loss
 
     from cpu_demo_lib import evaluate as E
     from cpu_demo_lib import model as M
@@ -279,8 +279,8 @@ def test_demo_helpers_match_gpt_model_forward_for_a_rope_model(megatron_cpu):
     does: main and MTP states equal the model's own, one depth at a time too, and with cached
     main states. Without rope the states differ far beyond the tolerance (checked, so the test can
     fail; on SmolLM2 itself by up to 30)."""
-    from megatron.mtp_tv.testing.cpu import causal_attention_mask
-    from megatron.mtp_tv.testing.models import (
+    from mtp_tv_dev.cpu import causal_attention_mask
+    from mtp_tv_dev.models import (
         build_gpt_with_mtp, capture_mtp_hidden_states, forward_loss)
 
     from cpu_demo_lib import model as M

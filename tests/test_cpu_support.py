@@ -1,4 +1,4 @@
-"""The CPU test/demo support layer (megatron.mtp_tv.testing) does what the other tests rely on:
+"""The CPU test/demo support layer (mtp_tv_dev) does what the other tests rely on:
 megatron-core GPTModel with MTP runs forward+backward on CPU, TP=2 (with and without sequence
 parallel) reproduces TP=1, the packed-sequence and context-parallel helpers follow megatron's
 conventions, and spawn() reports worker failures instead of hanging."""
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from megatron.mtp_tv.testing import cpu, distributed, models, packed
+from mtp_tv_dev import cpu, distributed, models, packed
 
 VOCAB, HIDDEN, SEQ, BATCH, DEPTHS = 64, 32, 16, 2, 2
 TOL = 1e-5

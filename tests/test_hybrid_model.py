@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import megatron.mtp_tv
-from megatron.mtp_tv.testing.distributed import single_process
-from megatron.mtp_tv.testing.models import build_hybrid_with_mtp, forward_loss
+from mtp_tv_dev.distributed import single_process
+from mtp_tv_dev.models import build_hybrid_with_mtp, forward_loss
 from tests.model_reference import mtp_reference_objective, recorded_mtp_hidden
 
 megatron.mtp_tv.install()
@@ -141,8 +141,8 @@ def test_hybrid_ce_is_bit_identical_with_the_plugin_installed():
 
 def _tp_worker(rank, loss_type, depth, sequence_parallel):
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-    from megatron.mtp_tv.testing.cpu import allreduce_sequence_parallel_grads
-    from megatron.mtp_tv.testing.models import gather_tp_params
+    from mtp_tv_dev.cpu import allreduce_sequence_parallel_grads
+    from mtp_tv_dev.models import gather_tp_params
 
     megatron.mtp_tv.install()
     model = _build(depth, True, sequence_parallel=sequence_parallel, mtp_loss_type=loss_type,
@@ -159,8 +159,8 @@ def _tp_worker(rank, loss_type, depth, sequence_parallel):
 def test_hybrid_tp2_sequence_parallel_matches_tp1():
     """Vocabulary-parallel output layer and sequence-parallel MTP chunks in the hybrid model: the
     same weights, gradients and logged TV as one rank (TP=1 itself matches the reference above)."""
-    from megatron.mtp_tv.testing.distributed import spawn
-    from megatron.mtp_tv.testing.models import compare_gathered
+    from mtp_tv_dev.distributed import spawn
+    from mtp_tv_dev.models import compare_gathered
 
     (ref_params, ref_logged), = spawn(_tp_worker, 1, 'e2e_tv', 2, False)
     for params, logged in spawn(_tp_worker, 2, 'e2e_tv', 2, True, tp=2):

@@ -11,8 +11,8 @@ import megatron.mtp_tv
 from megatron.mtp_tv import mtp_loss as mtp_loss_module
 from megatron.mtp_tv.losses import LOSSES
 from megatron.mtp_tv.main_logits import MAIN_LOGITS_ENV, reuse_main_logits
-from megatron.mtp_tv.testing.distributed import single_process
-from megatron.mtp_tv.testing.models import build_gpt_with_mtp, forward_loss
+from mtp_tv_dev.distributed import single_process
+from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss
 
 megatron.mtp_tv.install()
 

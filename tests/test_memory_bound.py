@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'tools'))
 
 from lossbench.cases import LOGIT_STD, mtp_cases  # noqa: E402
 from megatron.mtp_tv.linear_tv import choose_grad_storage  # noqa: E402
-from megatron.mtp_tv.testing.distributed import reset_mtp_tracker, single_process  # noqa: E402
+from mtp_tv_dev.distributed import reset_mtp_tracker, single_process  # noqa: E402
 
 #: What may exceed CE's peak: O(1) state, e.g. the acceptance statistics of the micro-batch
 #: waiting in the tracker for the logging step (6 floats per depth), never a per-token tensor.

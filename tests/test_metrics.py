@@ -5,8 +5,8 @@ import torch
 
 import megatron.mtp_tv
 from megatron.mtp_tv.losses import LOSSES
-from megatron.mtp_tv.testing.distributed import single_process
-from megatron.mtp_tv.testing.models import build_gpt_with_mtp, forward_loss
+from mtp_tv_dev.distributed import single_process
+from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss
 from tests.model_reference import mtp_reference_objective, recorded_mtp_hidden
 from tests.reference import depth_alphas, e2e_objective
 
@@ -112,7 +112,7 @@ def test_packed_chain_mask_two_sequences_gamma_two():
     from megatron.core.transformer import multi_token_prediction as mtp
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.mtp_tv import mtp_loss
-    from megatron.mtp_tv.testing.packed import make_packed_seq_params
+    from mtp_tv_dev.packed import make_packed_seq_params
 
     with single_process():
         g = torch.Generator().manual_seed(0)

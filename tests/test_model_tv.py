@@ -7,8 +7,8 @@ import torch
 
 import megatron.mtp_tv
 from megatron.mtp_tv.losses import LOSSES
-from megatron.mtp_tv.testing.distributed import single_process
-from megatron.mtp_tv.testing.models import build_gpt_with_mtp, forward_loss
+from mtp_tv_dev.distributed import single_process
+from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss
 from tests.model_reference import mtp_reference_objective, recorded_mtp_hidden
 
 megatron.mtp_tv.install()

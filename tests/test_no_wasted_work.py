@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import megatron.mtp_tv
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES
-from megatron.mtp_tv.testing.distributed import single_process
-from megatron.mtp_tv.testing.models import build_gpt_with_mtp, forward_loss
+from mtp_tv_dev.distributed import single_process
+from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss
 from tests.reference import token_weights
 
 megatron.mtp_tv.install()

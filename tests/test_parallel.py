@@ -14,7 +14,7 @@ import torch
 
 from megatron.mtp_tv.losses import LOSSES
 from megatron.mtp_tv.mtp_loss import FUSED_ENV
-from megatron.mtp_tv.testing.distributed import spawn
+from mtp_tv_dev.distributed import spawn
 from tests.reference import depth_terms, objective, per_token_values, shifted_mask
 
 VOCAB, HIDDEN, SEQ, BATCH, FACTOR = 64, 32, 12, 2, 0.3
@@ -31,8 +31,8 @@ def _model_worker(rank, loss_type, depth, tie, sequence_parallel):
     import megatron.mtp_tv
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     from megatron.mtp_tv.metrics import acceptance_metrics
-    from megatron.mtp_tv.testing.cpu import allreduce_sequence_parallel_grads
-    from megatron.mtp_tv.testing.models import build_gpt_with_mtp, forward_loss, gather_tp_params
+    from mtp_tv_dev.cpu import allreduce_sequence_parallel_grads
+    from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss, gather_tp_params
 
     megatron.mtp_tv.install()
     model = build_gpt_with_mtp(
@@ -95,7 +95,7 @@ def _model_worker(rank, loss_type, depth, tie, sequence_parallel):
     ],
 )
 def test_whole_model_tp2_matches_tp1(loss_type, depth, tie, sequence_parallel):
-    from megatron.mtp_tv.testing.models import compare_gathered
+    from mtp_tv_dev.models import compare_gathered
 
     ((ref_params, ref_logged, ref_metrics), _, _), = spawn(
         _model_worker, 1, loss_type, depth, tie, False
@@ -130,7 +130,7 @@ def _loss_worker(rank, loss_type, depth, s, seq_lengths, pad, temperature=1.0):
     import megatron.mtp_tv
     from megatron.core import parallel_state
     from megatron.core.transformer import multi_token_prediction as mtp
-    from megatron.mtp_tv.testing.packed import make_packed_seq_params, zigzag_cp_index
+    from mtp_tv_dev.packed import make_packed_seq_params, zigzag_cp_index
 
     megatron.mtp_tv.install()
     cp_group = parallel_state.get_context_parallel_group()
@@ -272,7 +272,7 @@ def test_packed_sequences_never_cross_a_boundary(loss_type, cp):
 
 
 def test_context_parallel_chunk_shorter_than_depth_is_a_clear_error():
-    from megatron.mtp_tv.testing.distributed import WorkerError
+    from mtp_tv_dev.distributed import WorkerError
 
     with pytest.raises(WorkerError, match='shorter than mtp_num_layers=3'):
         spawn(_loss_worker, 2, 'tv', 3, 8, None, 1, cp=2)  # chunks of 2 positions
@@ -286,7 +286,7 @@ def test_context_parallel_chunk_shorter_than_depth_is_a_clear_error():
 # are the next rank's first rows. dev's GPTModel hands process_mtp_loss a sequence_roll_context
 # holding mtp_num_layers + 1 label / mask / input-id rows prefetched from the next rank, and its
 # rolls read them (field and roll depth named per call). megatron-core 0.19.2 has no such layout:
-# megatron.mtp_tv.testing.contiguous rebuilds dev's context (same attributes, duck-typed), its
+# mtp_tv_dev.contiguous rebuilds dev's context (same attributes, duck-typed), its
 # list-form roll_tensor and its process_mtp_loss signature from dev's semantics; on a dev tree
 # (plugin or patch mode) the tree's own functions are used instead. The reference is the
 # full-sequence one, sliced to the rank's rows.
@@ -306,8 +306,8 @@ def _contiguous_worker(rank, loss_type, depth, lengths, derive_labels=False, pre
     import megatron.mtp_tv
     from megatron.core import parallel_state
     from megatron.core.transformer import multi_token_prediction as mtp
-    from megatron.mtp_tv.testing.contiguous import contiguous_cp_index, tree_api
-    from megatron.mtp_tv.testing.packed import make_packed_seq_params
+    from mtp_tv_dev.contiguous import contiguous_cp_index, tree_api
+    from mtp_tv_dev.packed import make_packed_seq_params
 
     megatron.mtp_tv.install()
     api = tree_api(mtp)
@@ -390,7 +390,7 @@ def test_contiguous_packed_context_parallel_labels_from_input_ids_and_without_ha
 
 
 def test_contiguous_shard_shorter_than_depth_is_a_clear_error():
-    from megatron.mtp_tv.testing.distributed import WorkerError
+    from mtp_tv_dev.distributed import WorkerError
 
     with pytest.raises(WorkerError, match='contiguous layout: shards of 2 positions are shorter '
                                           'than mtp_num_layers=3'):
@@ -398,7 +398,7 @@ def test_contiguous_shard_shorter_than_depth_is_a_clear_error():
 
 
 def test_an_unknown_context_parallel_layout_is_a_clear_error():
-    from megatron.mtp_tv.testing.distributed import WorkerError
+    from mtp_tv_dev.distributed import WorkerError
 
     with pytest.raises(WorkerError, match=r"layouts \('zigzag', 'contiguous'\); packed_seq_params"
                                           r".cp_partition_mode='striped' is not supported"):

@@ -13,9 +13,9 @@ import torch
 
 import megatron.mtp_tv
 from megatron.mtp_tv import plugin
-from megatron.mtp_tv.testing.contiguous import with_extra_parameter as _with_extra_parameter
-from megatron.mtp_tv.testing.distributed import single_process
-from megatron.mtp_tv.testing.models import build_gpt_with_mtp, forward_loss
+from mtp_tv_dev.contiguous import with_extra_parameter as _with_extra_parameter
+from mtp_tv_dev.distributed import single_process
+from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss
 
 pytestmark = pytest.mark.plugin_only
 

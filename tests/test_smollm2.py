@@ -105,7 +105,7 @@ def test_cached_states_step_equals_gpt_model_backward(smollm2, megatron_cpu, los
     """One heads-only step on cached backbone states through the plugin, for every loss type:
     the heads' gradients equal those of GPTModel.forward's own loss path (which recomputes the
     backbone and the main cross-entropy); the step changes every head parameter and nothing else."""
-    from megatron.mtp_tv.testing.models import forward_loss
+    from mtp_tv_dev.models import forward_loss
     from smollm2_lib import heads as H
 
     hf_model, tokenizer = smollm2

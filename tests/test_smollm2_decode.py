@@ -22,7 +22,7 @@ SEQ, BATCH, DEPTHS = 20, 3, 2
 
 def _llama_like_model(vocab_size: int = 97):
     """A small rope model with SmolLM2's layer shape: RMSNorm, SwiGLU, grouped queries, no bias."""
-    from megatron.mtp_tv.testing.models import build_gpt_with_mtp
+    from mtp_tv_dev.models import build_gpt_with_mtp
 
     return build_gpt_with_mtp(
         vocab_size=vocab_size, hidden_size=48, num_layers=2, mtp_num_layers=DEPTHS, seq_length=SEQ,

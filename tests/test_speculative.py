@@ -2,7 +2,7 @@
 
 The project's core claim is that under rejection sampling a draft is accepted with probability
 ``sum_v min(p, q)`` and the emitted tokens are distributed as the main model's ``p``. Here both
-are checked statistically for ``megatron.mtp_tv.speculative.verify``:
+are checked statistically for ``mtp_tv_dev.speculative.verify``:
 
 * the number of accepted drafts per step follows ``P(N = j) = prod_{i<j} alpha_i (1 - alpha_j)``
   (chi-square), and the per-depth acceptance rate matches ``alpha_i`` within a few standard errors;
@@ -22,8 +22,8 @@ import math
 import pytest
 import torch
 
-from megatron.mtp_tv import speculative
-from megatron.mtp_tv.speculative import (
+from mtp_tv_dev import speculative
+from mtp_tv_dev.speculative import (
     VerifyResult,
     acceptance_probability,
     expected_accepted_drafts,

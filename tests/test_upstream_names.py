@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import megatron.mtp_tv
-from megatron.mtp_tv.testing.distributed import single_process
-from megatron.mtp_tv.testing.models import build_gpt_with_mtp, forward_loss
+from mtp_tv_dev.distributed import single_process
+from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss
 
 megatron.mtp_tv.install()  # a no-op in patch mode
 

@@ -225,7 +225,7 @@ def time_mtp_path(tokens: int, repeats: int, hidden: int = 1024, vocab: int = 32
     """
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from lossbench.cases import mtp_cases
-    from megatron.mtp_tv.testing.distributed import reset_mtp_tracker, single_process
+    from mtp_tv_dev.distributed import reset_mtp_tracker, single_process
 
     current = (row_ops.TorchRowOps.BLOCK_ELEMENTS, row_ops.row_max_argmax)
     settings = {"'ce'": None, "'tv'": current,

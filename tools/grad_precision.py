@@ -125,7 +125,7 @@ def measure(dtype_name: str, tokens: int, losses, hidden: int = 128, vocab: int 
             cold: bool = False, variants=('own',)):
     """``{name: (draft_error, weight_error)}`` for ``'ce'`` and every loss in ``losses``: keyed
     by the loss name for the ``'own'`` variant, ``'<loss>/<variant>'`` for the others."""
-    from megatron.mtp_tv.testing.distributed import single_process
+    from mtp_tv_dev.distributed import single_process
 
     dtype, loss_scale = DTYPES[dtype_name], LOSS_SCALES[dtype_name]
     draft, main, weight, mask, labels = make_inputs(tokens, hidden, vocab, dtype, seed, cold)

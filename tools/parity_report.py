@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron.mtp_tv.testing.distributed import spawn  # noqa: E402
+from mtp_tv_dev.distributed import spawn  # noqa: E402
 from tests import test_parallel as tp  # noqa: E402
 
 

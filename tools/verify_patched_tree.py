@@ -193,9 +193,9 @@ def _check_model():
 
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-    from megatron.mtp_tv.testing.cpu import causal_attention_mask
-    from megatron.mtp_tv.testing.distributed import single_process
-    from megatron.mtp_tv.testing.models import build_gpt_with_mtp
+    from mtp_tv_dev.cpu import causal_attention_mask
+    from mtp_tv_dev.distributed import single_process
+    from mtp_tv_dev.models import build_gpt_with_mtp
 
     inline = 'mtp_kwargs' in inspect.signature(GPTModel.forward).parameters
     out = {'mtp_loss_path': 'GPTModel._postprocess (inline)' if inline else 'process_mtp_loss'}
@@ -279,9 +279,9 @@ def _ce_fingerprint(patched: bool) -> dict:
     _no_te_shims()
     from megatron.core.models.gpt import gpt_model
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.mtp_tv.testing.cpu import causal_attention_mask
-    from megatron.mtp_tv.testing.distributed import single_process
-    from megatron.mtp_tv.testing.models import build_gpt_with_mtp
+    from mtp_tv_dev.cpu import causal_attention_mask
+    from mtp_tv_dev.distributed import single_process
+    from mtp_tv_dev.models import build_gpt_with_mtp
 
     root = Path(sys.argv[1]).resolve()
     assert Path(gpt_model.__file__).resolve().is_relative_to(root), gpt_model.__file__

@@ -17,8 +17,8 @@ hidden state at n and ``x_{n+1}`` and drafts ``d_1`` from ``q_0``; depth k reads
 state at n and ``d_k`` and drafts ``d_{k+1}``. Each depth runs once over the whole verify sequence
 ``[prompt, x_{n+1}, d_1..d_gamma]`` with the drafts not drawn yet left as placeholders: depth k at
 n reads tokens up to ``n+k+1`` only, and causal attention keeps later positions out. The main model
-then scores the sequence once and :func:`megatron.mtp_tv.speculative.verify` accepts or rejects
-(rejection sampling at T, no top-k; greedy: :func:`~megatron.mtp_tv.speculative.verify_greedy`,
+then scores the sequence once and :func:`mtp_tv_dev.speculative.verify` accepts or rejects
+(rejection sampling at T, no top-k; greedy: :func:`~mtp_tv_dev.speculative.verify_greedy`,
 drafts and ``x_{n+1}`` are argmaxes). The count of accepted drafts is the empirical number.
 Differences from the teacher-forced number come from the inputs: there the heads read real text,
 here they read drawn tokens (``x_{n+1}`` from p, deeper depths their own drafts), and the
@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatron.mtp_tv.speculative import probabilities, rao_blackwell_accepted, verify, verify_greedy
+from mtp_tv_dev.speculative import probabilities, rao_blackwell_accepted, verify, verify_greedy
 
 from .model import hidden_states, main_states, mtp_depth, project
 

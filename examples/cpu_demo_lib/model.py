@@ -78,7 +78,7 @@ def phase_overrides(phase: str, loss_type: str, pretrain_mtp_scale: float,
 
 def build_model(spec: ModelSpec, overrides: Dict, state: Optional[Dict] = None):
     """A tiny GPTModel with ``spec.mtp_num_layers`` MTP depths (local spec, CPU, tied weights)."""
-    from megatron.mtp_tv.testing.models import build_gpt_with_mtp
+    from mtp_tv_dev.models import build_gpt_with_mtp
 
     overrides = dict(overrides)
     mtp_num_layers = overrides.pop('mtp_num_layers', spec.mtp_num_layers)
@@ -159,7 +159,7 @@ def train_step(model, optimizer, tokens: torch.Tensor, labels: torch.Tensor, cli
     dispatcher) attached the MTP loss to the graph through ``MTPLossAutoScaler``, so backward of
     the masked mean below trains the MTP heads too.
     """
-    from megatron.mtp_tv.testing.models import forward_loss
+    from mtp_tv_dev.models import forward_loss
 
     model.train()
     mask = torch.ones_like(labels, dtype=torch.float)
@@ -223,7 +223,7 @@ def hidden_states(model, tokens: torch.Tensor, num_depths: int,
 @torch.no_grad()
 def main_states(model, tokens: torch.Tensor) -> torch.Tensor:
     """The main decoder's hidden states ``[s, b, h]`` (after its final norm), no loss."""
-    from megatron.mtp_tv.testing.cpu import causal_attention_mask
+    from mtp_tv_dev.cpu import causal_attention_mask
 
     model.eval()
     batch, seq = tokens.shape
@@ -252,7 +252,7 @@ def mtp_depth_forward(model, depth: int, previous: torch.Tensor,
                       tokens: torch.Tensor) -> torch.Tensor:
     """:func:`mtp_depth` in the current mode and grad setting (for training on cached states)."""
     from megatron.core.transformer.multi_token_prediction import roll_tensor
-    from megatron.mtp_tv.testing.cpu import causal_attention_mask
+    from mtp_tv_dev.cpu import causal_attention_mask
 
     batch, seq = tokens.shape
     input_ids = tokens

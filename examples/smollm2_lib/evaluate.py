@@ -11,7 +11,7 @@ speculative decoding with a KV cache.
   verify step they predict, ``sum_j prod_{i<=j} alpha_i``.
 * :func:`speculative_decoding`: the heads draft ``gamma`` tokens autoregressively from the end of
   a prompt, the main model verifies them in one pass over the KV cache (rejection sampling at T,
-  :func:`megatron.mtp_tv.speculative.verify`; or greedy), the accepted drafts and the one extra
+  :func:`mtp_tv_dev.speculative.verify`; or greedy), the accepted drafts and the one extra
   token are committed, and the next round drafts from there: ``rounds`` verify steps per prompt
   on generated continuations. The prompts' KV cache (:class:`Prompts`) is computed once per
   backbone and copied for every arm.
@@ -28,7 +28,7 @@ from typing import Dict
 import torch
 from torch import Tensor
 
-from megatron.mtp_tv.speculative import probabilities, rao_blackwell_accepted, verify, verify_greedy
+from mtp_tv_dev.speculative import probabilities, rao_blackwell_accepted, verify, verify_greedy
 
 from cpu_demo_lib.model import mtp_depth
 from .decode import (DecoderCache, MTPDepthCache, arange_positions, gather_steps, logits,

@@ -280,8 +280,13 @@ def plot(path: str, parts: Dict[str, Dict], preset: Preset) -> Optional[str]:
     panels = [('cold', 'cold start (fresh heads, docs)'), ('heal', 'grafted head healed on code'),
               ('chain', f'{preset.chain_depths}-depth chain (fresh heads)'),
               ('joint', 'joint fine-tuning on code')]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
-    for ax, (prefix, title) in zip(axes, panels):
+    # The scenarios this run has curves of (the default preset: cold start alone).
+    panels = [(prefix, title) for prefix, title in panels
+              if any(n.startswith(prefix + '_') and 'curve' in r for n, r in parts.items())]
+    if not panels:
+        return 'no held-out curves in these parts'
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
+    for ax, (prefix, title) in zip(axes[0], panels):
         for name, record in sorted(parts.items()):
             if not name.startswith(prefix + '_') or 'curve' not in record:
                 continue

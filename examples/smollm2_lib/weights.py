@@ -151,10 +151,10 @@ def build_megatron(hf_config, mtp_num_layers: int, seq_length: int, seed: int, *
     """A megatron-core ``GPTModel`` shaped like ``hf_config`` with ``mtp_num_layers`` fresh MTP
     depths (Megatron's initialisation, seeded by ``seed``); backbone weights still random.
 
-    Call inside :func:`megatron.mtp_tv.testing.distributed.single_process`; load the weights
+    Call inside :func:`mtp_tv_dev.distributed.single_process`; load the weights
     with :func:`load_backbone`.
     """
-    from megatron.mtp_tv.testing.models import build_gpt_with_mtp
+    from mtp_tv_dev.models import build_gpt_with_mtp
 
     if not getattr(hf_config, 'tie_word_embeddings', False):
         raise ValueError('only tied embeddings are mapped (SmolLM2-135M ties them)')

@@ -368,8 +368,8 @@ def step_cases(G: int, s: int, h: int, V: int, seed: int = 0,
     with std ``LOGIT_STD / sqrt(h)`` (logits std ~ 2.5 on the normalised hidden states), from a
     seed the hidden states do not share. ``mtp_tv_chunk`` is the default 0 (automatic).
     """
-    from megatron.mtp_tv.testing.cpu import causal_attention_mask
-    from megatron.mtp_tv.testing.models import build_gpt_with_mtp
+    from mtp_tv_dev.cpu import causal_attention_mask
+    from mtp_tv_dev.models import build_gpt_with_mtp
 
     prepare_losses()
     FUSED_ENV = loss_module('mtp_loss').FUSED_ENV

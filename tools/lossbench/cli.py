@@ -123,7 +123,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(threads)
     command = ' '.join(shlex.quote(a) for a in [sys.executable, 'tools/bench_loss.py', *argv])
     print(f"command: {command}", flush=True)
-    from megatron.mtp_tv.testing.distributed import single_process
+    from mtp_tv_dev.distributed import single_process
 
     measured = importlib.import_module(loss_package())  # its location goes into the report
     print(f"loss code: {loss_mode()} mode ({loss_package()} at "

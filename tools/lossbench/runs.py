@@ -71,7 +71,7 @@ def run_loss(args, tp_group=None, tp_rank=0, tp=1, sync=None, log=print) -> List
 
 
 def run_mtp(args, log=print) -> List[dict]:
-    from megatron.mtp_tv.testing.distributed import reset_mtp_tracker
+    from mtp_tv_dev.distributed import reset_mtp_tracker
 
     rows = []
     for G, tv_type, seqs in ((1, 'tv', args.mtp_seqs), (args.e2e_depth, 'e2e_tv', args.e2e_seqs)):
@@ -88,7 +88,7 @@ def run_mtp(args, log=print) -> List[dict]:
 
 def run_step(args, log=print) -> List[dict]:
     """The 'step' rows: ``GPTModel._postprocess`` fwd+bwd per depth count and sequence length."""
-    from megatron.mtp_tv.testing.distributed import reset_mtp_tracker
+    from mtp_tv_dev.distributed import reset_mtp_tracker
 
     rows = []
     for G in args.step_depths:
@@ -104,7 +104,7 @@ def run_step(args, log=print) -> List[dict]:
 
 def run_wide(args, log=print) -> List[dict]:
     """The 'wide' rows: the MTP path (G=1, automatic chunk) at large hidden sizes."""
-    from megatron.mtp_tv.testing.distributed import reset_mtp_tracker
+    from mtp_tv_dev.distributed import reset_mtp_tracker
 
     rows = []
     for h in args.wide_hidden:
@@ -132,7 +132,7 @@ def _measured_rows(group: str, make_cases, args, s: int, G: int, extra: dict, la
 
 
 def _tp_worker(rank: int, args_dict: dict) -> List[dict]:
-    """One rank of the TP run (inside ``megatron.mtp_tv.testing.distributed.spawn``)."""
+    """One rank of the TP run (inside ``mtp_tv_dev.distributed.spawn``)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -152,7 +152,7 @@ def _tp_worker(rank: int, args_dict: dict) -> List[dict]:
 
 
 def run_tp(args, tp: int, log=print) -> List[dict]:
-    from megatron.mtp_tv.testing.distributed import spawn
+    from mtp_tv_dev.distributed import spawn
 
     per_rank = spawn(_tp_worker, tp, vars(args), tp=tp, timeout=args.tp_timeout)
     rows = per_rank[0]

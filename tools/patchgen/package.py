@@ -16,9 +16,8 @@ from .layout import REPO, TARGET_MODULE, PatchError
 
 #: The package source. Only this module reads it (tests point it at a changed copy).
 PACKAGE_DIR = REPO / 'megatron' / 'mtp_tv'
-#: Package files that only make sense for the plugin (or for tests) and are not shipped.
+#: Package files that only make sense for the plugin and are not shipped.
 NOT_SHIPPED = ('launch.py', 'startup_hook.py')
-NOT_SHIPPED_DIRS = ('testing',)
 
 
 def shipped_modules() -> Dict[str, str]:
@@ -26,7 +25,7 @@ def shipped_modules() -> Dict[str, str]:
     out = {}
     for path in sorted(PACKAGE_DIR.rglob('*.py')):
         rel = path.relative_to(PACKAGE_DIR)
-        if rel.parts[0] in NOT_SHIPPED_DIRS or rel.name in NOT_SHIPPED or '__pycache__' in rel.parts:
+        if rel.name in NOT_SHIPPED or '__pycache__' in rel.parts:
             continue
         text = path.read_text()
         _check_relocatable(rel.as_posix(), text)
