@@ -7,7 +7,7 @@
 # make setup  - only create/refresh .venv (tools/setup_env.sh; ~1 s when up to date)
 # make setup-hf - also the pinned Hugging Face / Megatron-Bridge stack (requirements-hf.txt)
 # make test-patched - the Megatron-facing tests against megatron-core 0.19.2 patched with
-#               patches/ instead of the plugin (tools/test_patched_tree.py; part of make test)
+#               patches/ instead of the plugin (tools/run_patched_suite.py; part of make test)
 # make patches - regenerate patches/ (tools/make_patches.py; the git-tree patches need
 #               MTP_TV_MEGATRON_LM=<radixark clone>:<NVIDIA clone> when their base changes)
 #
@@ -37,10 +37,10 @@ test: setup-hf
 	@rc=0; $(PY) -m pytest tests -q -ra --durations=15 $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: ERROR: pytest collected no tests" >&2; fi; \
 	exit $$rc
-	$(PY) tools/test_patched_tree.py
+	$(PY) tools/run_patched_suite.py
 
 test-patched: setup
-	$(PY) tools/test_patched_tree.py
+	$(PY) tools/run_patched_suite.py
 
 patches: setup
 	$(PY) tools/make_patches.py

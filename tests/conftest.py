@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# MTP_TV_MODE=patch (tools/test_patched_tree.py): megatron.mtp_tv is the patched tree's copy.
+# MTP_TV_MODE=patch (tools/run_patched_suite.py): megatron.mtp_tv is the patched tree's copy.
 import patch_mode  # noqa: E402
 from patch_mode import pytest_collection_modifyitems, pytest_configure  # noqa: E402,F401
 

@@ -2,7 +2,7 @@
 
 The model under test runs with the package's loss. The reference run uses the same weights but
 swaps the model's ``process_mtp_loss`` for a stub that only records the hidden states (still in
-the autograd graph), then adds the MTP objective computed by ``tests.reference`` from the
+the autograd graph), then adds the MTP objective computed by ``mtp_tv_dev.reference`` from the
 equations, and differentiates that with plain autograd.
 """
 
@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from tests.reference import depth_terms, objective, per_token_values, shifted_mask
+from mtp_tv_dev.reference import depth_terms, objective, per_token_values, shifted_mask
 
 
 @contextlib.contextmanager

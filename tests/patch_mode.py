@@ -1,7 +1,7 @@
 """Run the test suite against a patched Megatron tree instead of the plugin.
 
 With ``MTP_TV_MODE=patch`` and ``MTP_TV_TREE=<root of a tree patched with patches/*.patch>``
-(``tools/test_patched_tree.py`` sets both), :func:`activate` (called by ``tests/conftest.py``
+(``tools/run_patched_suite.py`` sets both), :func:`activate` (called by ``tests/conftest.py``
 before any test module is imported):
 
 * puts the tree first on ``sys.path`` and checks that ``megatron.core`` comes from it;

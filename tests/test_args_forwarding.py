@@ -3,7 +3,7 @@ through Megatron's own argument code, driven the way miles drives it
 (``parse_args(extra_args_provider=...)`` with a provider that resets MTP defaults).
 
 Runs in both modes: with the plugin (this checkout, ``install()``) and, under
-``tools/test_patched_tree.py``, on megatron-core 0.19.2 patched with ``patches/`` (where the
+``tools/run_patched_suite.py``, on megatron-core 0.19.2 patched with ``patches/`` (where the
 fields are native TransformerConfig fields and nothing is installed).
 """
 

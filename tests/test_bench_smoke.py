@@ -103,6 +103,7 @@ def quick_report(tmp_path_factory):
     return proc.stdout, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_quick_run_prints_table_and_json(quick_report):
     stdout, report = quick_report
     assert stdout.startswith('command: ')
@@ -133,6 +134,7 @@ def test_quick_run_prints_table_and_json(quick_report):
     assert 'Matrix-product floor' in stdout
 
 
+@pytest.mark.slow
 def test_quick_run_memory_is_sane(quick_report):
     """Known byte counts at the quick shapes (h=64, V=512, one depth, fp32)."""
     _, report = quick_report
@@ -161,6 +163,7 @@ def test_quick_run_memory_is_sane(quick_report):
             assert r['peak_mib'] * MiB >= r['seq'] * 4 * V // r['tp']
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     """``tools/gpu_check.py`` is meant for a short GPU lease: keep it runnable, checks passing."""
     proc = subprocess.run(
@@ -259,6 +262,7 @@ def test_targets_on_made_up_rows():
     assert step['tv']['floor_main'] == 1.0 and step['tv']['products'] == 7
 
 
+@pytest.mark.slow
 def test_quick_run_step_rows(quick_report):
     """'step': GPTModel._postprocess per loss type, at every quick depth and length."""
     stdout, report = quick_report
@@ -291,6 +295,7 @@ def test_quick_run_step_rows(quick_report):
     assert '| 64 | 1 | tv |' in stdout
 
 
+@pytest.mark.slow
 def test_quick_run_wide_rows(quick_report):
     """'wide': the MTP path at each quick hidden size, 'ce', 'tv' (target from the main logits and its own), 'kl', the automatic chunk."""
     stdout, report = quick_report

@@ -4,7 +4,7 @@ A tiny Hugging Face Llama (random weights, saved locally) goes through Megatron-
 ``AutoBridge.from_hf_pretrained(dir).to_megatron_provider(load_weights=False)``; the provider's
 ``provide()`` model takes one training step (forward and backward) through the plugin on CPU, and
 the per-depth logged loss, the main loss and every gradient are compared with the float64
-reference from the equations (``tests/reference.py``), for the loss type asked for.
+reference from the equations (``mtp_tv_dev/reference.py``), for the loss type asked for.
 
 * Bridge recipe: the loss type is set on the provider (``cfg.model.mtp_loss_type = 'tv'``).
 * miles' bridge mode: Megatron's ``parse_args``/``validate_args`` on a command line with

@@ -40,6 +40,7 @@ COLD = ('cold_ce', 'cold_kl', 'cold_tv', 'cold_lk', 'cold_nla', 'cold_e2e_tv')
 DEFAULT_ARMS = [*WARM, 'serve_tv', *COLD]
 
 
+@pytest.mark.slow
 def test_smoke_run(tmp_path):
     out = tmp_path / 'out'
     res = run_demo(*TINY, '--out-dir', str(out))
@@ -128,6 +129,7 @@ def test_smoke_run(tmp_path):
         assert f'plot: {png}' in res.stdout
 
 
+@pytest.mark.slow
 def test_same_seed_same_numbers(tmp_path):
     """Deterministic for a given seed (two in-process runs), different for another seed."""
     import cpu_demo

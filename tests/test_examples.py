@@ -1,5 +1,5 @@
 """The examples' Megatron flags parse with Megatron's own parse_args / validate_args and reach
-TransformerConfig (plugin mode; under tools/test_patched_tree.py, on the patched 0.19.2 tree).
+TransformerConfig (plugin mode; under tools/run_patched_suite.py, on the patched 0.19.2 tree).
 
 Each example prints the arguments it would pass with ``PRINT_ARGS=1`` (NUL-separated), so this
 checks what the script really passes, not a copy of it.

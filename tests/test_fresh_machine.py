@@ -1,6 +1,6 @@
 """A fresh machine: this project's own caches start out missing, and CI proves that case.
 
-``make test`` once died on a clean machine in ``tools/test_patched_tree.py``
+``make test`` once died on a clean machine in ``tools/run_patched_suite.py``
 (``tempfile.mkdtemp`` inside ``~/.cache/megatron-mtp-tv``, which nobody had created); CI stayed
 green only because an earlier run had left the folder behind. These tests point the cache at a
 path that does not exist and run the code that writes there, without downloading or unpacking
@@ -27,8 +27,8 @@ def _load_tool(name):
     return module
 
 
-#: tools/test_patched_tree.py, and through it the patch generator's sources module it uses.
-tpt = _load_tool('test_patched_tree')
+#: tools/run_patched_suite.py, and through it the patch generator's sources module it uses.
+tpt = _load_tool('run_patched_suite')
 mp = tpt.sources
 
 

@@ -130,6 +130,7 @@ def _env(**extra):
     return env
 
 
+@pytest.mark.slow
 def test_launcher_end_to_end_flags_reach_megatron_args(tmp_path):
     """A real process: Megatron's own parse_args knows the plugin's flags; the exit code passes.
     (tests/test_args_forwarding.py follows them on into TransformerConfig.)"""
@@ -165,6 +166,7 @@ def _probe(pth_dir, env_value):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_startup_hook_line(tmp_path):
     """The .pth line (processed by ``site`` as at interpreter start-up) installs only when asked;
     off and unrecognised values import nothing (``false`` once turned it on), and an

@@ -8,7 +8,7 @@ from megatron.mtp_tv.linear_tv import (
 )
 from megatron.mtp_tv.losses import LOSSES, EndToEndTVLoss, make_loss
 from megatron.mtp_tv.row_ops import TorchRowOps
-from tests.reference import depth_terms, objective, token_weights
+from mtp_tv_dev.reference import depth_terms, objective, token_weights
 
 S, B, H, V = 7, 2, 8, 13
 
@@ -34,12 +34,21 @@ def _reference(loss_type, draft, target, weight, masks, scale=0.3, logits_fn=Non
     return objective(loss_type, alpha, kl, masks.double(), scale, eta), alpha
 
 
+#: Cases that tests/test_triton_kernels.py also runs through the Triton kernels (interpreted).
+TRITON = pytest.mark.triton_slice
+
+F64, F32 = torch.float64, torch.float32
+
+
 @pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv'])
-@pytest.mark.parametrize('G', [1, 2, 3])
-@pytest.mark.parametrize('chunk', [0, 1, 5, 100])  # one chunk, 1 token, non-divisor, > tokens
-@pytest.mark.parametrize('fused', [True, False])
-# float32 weights take every depth of a chunk through one product; other dtypes go depth by depth.
-@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+# Every pair of values of depths, chunk (one chunk, 1 token, non-divisor, > tokens), fused or
+# recompute, and dtype (float32 weights take every depth of a chunk through one product; other
+# dtypes go depth by depth) appears in some row: 12 rows instead of the 48 of every combination.
+@pytest.mark.parametrize('G,chunk,fused,dtype', [
+    (1, 0, False, F32), (1, 1, False, F32), pytest.param(1, 5, True, F32, marks=TRITON), (1, 100, False, F64),
+    (2, 0, True, F32), (2, 1, True, F64), pytest.param(2, 5, False, F64, marks=TRITON), (2, 100, False, F64),
+    (3, 0, True, F64), (3, 1, False, F64), pytest.param(3, 5, True, F32, marks=TRITON), (3, 100, True, F32),
+])
 def test_matches_reference(loss_type, G, chunk, fused, dtype):
     draft, target, weight, masks = _inputs(G, dtype=dtype)
     out = linear_tv_loss(
@@ -63,9 +72,11 @@ def test_matches_reference(loss_type, G, chunk, fused, dtype):
     [('kl', 1.0, 3.0), ('lk', 1.0, 3.0), ('lk', 1.0, 0.0), ('lk', 1.0, 50.0), ('lk', 0.6, 1.5),
      ('tv', 0.7, 3.0), ('e2e_tv', 1.7, 3.0), ('kl', 0.5, 3.0), ('nla', 1.0, 3.0), ('nla', 0.6, 3.0)],
 )
-@pytest.mark.parametrize('G', [1, 3])
-@pytest.mark.parametrize('chunk', [0, 1, 5, 100])
-@pytest.mark.parametrize('fused', [True, False])
+# Every pair of values of depths, chunk and fused-or-recompute, in 8 rows instead of 16.
+@pytest.mark.parametrize('G,chunk,fused', [
+    (1, 0, True), (3, 0, False), (1, 1, True), (3, 1, False),
+    (1, 5, False), pytest.param(3, 5, True, marks=TRITON), (1, 100, False), (3, 100, True),
+])
 def test_kl_lk_and_temperature_match_reference(loss_type, temperature, eta, G, chunk, fused):
     draft, target, weight, masks = _inputs(G)
     out = linear_tv_loss(
@@ -83,6 +94,7 @@ def test_kl_lk_and_temperature_match_reference(loss_type, temperature, eta, G, c
     torch.testing.assert_close(got[1], weight.grad, rtol=1e-4, atol=1e-7)
 
 
+@TRITON
 def test_lk_with_eta_zero_is_kl_and_large_eta_approaches_tv():
     draft, target, weight, masks = _inputs(2, dtype=torch.float32)
     values = {}
@@ -119,6 +131,7 @@ def test_e2e_equals_tv_for_one_depth():
     torch.testing.assert_close(tv.loss, e2e.loss)
 
 
+@TRITON
 def test_logits_fn_chain_rule():
     draft, target, weight, masks = _inputs(2)
     fn = lambda z: 0.37 * z  # noqa: E731  (MuP-style output scaling)
@@ -132,6 +145,7 @@ def test_logits_fn_chain_rule():
     torch.testing.assert_close(got, weight.grad, rtol=1e-4, atol=1e-7)
 
 
+@TRITON
 def test_logits_fn_returning_its_input_matches_no_logits_fn():
     # Megatron's _scale_logits returns the logits tensor itself when MuP's multiplier is 1.
     results = []
@@ -157,6 +171,7 @@ def test_tie_convention_passes_no_gradient_through_tied_entries():
     assert grad.tolist() == [[-0.1875, 0.0625, 0.125]]
 
 
+@TRITON
 def test_e2e_gradient_is_finite_when_an_alpha_is_zero():
     # Depth 0's draft puts all mass where the target has none: alpha_0 == 0 exactly.
     weight = torch.eye(4, dtype=torch.float32) * 200.0
@@ -200,6 +215,7 @@ def test_upstream_gradient_scales_and_a_second_backward_is_refused_when_fused(fu
         out.loss.backward()
 
 
+@TRITON
 def test_greedy_correct_counts_argmax_hits():
     draft, target, weight, masks = _inputs(2)
     with torch.no_grad():
@@ -220,6 +236,7 @@ def test_bad_shapes_raise():
         linear_tv_loss(draft, target[:-1], weight, masks, loss_type='tv')
 
 
+@TRITON
 def test_greedy_agreement_compares_draft_and_target_argmax():
     draft, target, weight, masks = _inputs(2)
     with torch.no_grad():
@@ -233,6 +250,7 @@ def test_greedy_agreement_compares_draft_and_target_argmax():
     assert linear_tv_loss(draft, target, weight, token_weights('kl', masks), loss_type='kl').greedy_agreement is None
 
 
+@TRITON
 @pytest.mark.parametrize('loss_type', list(LOSSES))
 @pytest.mark.parametrize('chunk', [0, 4])
 def test_empty_local_sequence_gives_a_zero_loss_that_keeps_the_graph(loss_type, chunk):

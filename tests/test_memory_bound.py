@@ -27,6 +27,7 @@ VOCAB = 8192
 
 @pytest.mark.parametrize('hidden,tokens', [(128, 512), (1024, 64), (1024, 512), (2048, 256)])
 @pytest.mark.parametrize('depths', [1, 3])
+@pytest.mark.slow
 def test_peak_is_at_most_the_cross_entropy_paths(hidden, tokens, depths):
     tv_type = 'tv' if depths == 1 else 'e2e_tv'
     with single_process():

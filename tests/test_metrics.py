@@ -8,7 +8,7 @@ from megatron.mtp_tv.losses import LOSSES
 from mtp_tv_dev.distributed import single_process
 from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss
 from tests.model_reference import mtp_reference_objective, recorded_mtp_hidden
-from tests.reference import depth_alphas, e2e_objective
+from mtp_tv_dev.reference import depth_alphas, e2e_objective
 
 megatron.mtp_tv.install()
 

@@ -1,7 +1,7 @@
 """The ``'nla'`` loss -log(max(alpha, 1e-5)): near and at alpha = 0, the one-hot identity with
 cross-entropy, and the low-precision gradient bound every loss states.
 
-Against the float64 formula of ``tests.reference`` (which does not import the package); the
+Against the float64 formula of ``mtp_tv_dev.reference`` (which does not import the package); the
 general reference suites (every layout) parametrise over ``'nla'`` too.
 """
 
@@ -13,7 +13,7 @@ import torch
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES, make_loss
 from megatron.mtp_tv.row_ops import TorchRowOps
-from tests.reference import NLA_FLOOR, depth_terms, nla_values, objective, token_weights
+from mtp_tv_dev.reference import NLA_FLOOR, depth_terms, nla_values, objective, token_weights
 
 
 def test_reference_gradient_is_the_log_derivative_above_the_floor_and_the_floor_one_below():
@@ -48,6 +48,7 @@ def _far_apart_inputs(gaps):
     return draft.requires_grad_(), target, weight, masks
 
 
+@pytest.mark.triton_slice  # also through the Triton kernels (tests/test_triton_kernels.py)
 @pytest.mark.parametrize('fused', [True, False])
 def test_value_and_gradient_near_and_at_zero_acceptance_match_the_formula(fused):
     gaps = [9.0, 14.0, 18.0, 120.0]
@@ -75,6 +76,7 @@ def test_value_and_gradient_near_and_at_zero_acceptance_match_the_formula(fused)
     assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
 
 
+@pytest.mark.triton_slice  # also through the Triton kernels (tests/test_triton_kernels.py)
 @pytest.mark.parametrize('temperature', [1.0, 0.7])
 @pytest.mark.parametrize('fused', [True, False])
 def test_one_hot_target_is_cross_entropy(temperature, fused):

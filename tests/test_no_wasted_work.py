@@ -19,7 +19,7 @@ from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES
 from mtp_tv_dev.distributed import single_process
 from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss
-from tests.reference import token_weights
+from mtp_tv_dev.reference import token_weights
 
 megatron.mtp_tv.install()
 

@@ -2,7 +2,7 @@
 
 Spawned gloo workers on CPU. Whole-model runs compare TP=2 against TP=1 with the same weights;
 ``process_mtp_loss``-level runs compare context-parallel ranks and packed rows against the
-independent full-sequence reference in ``tests.reference``. Every worker also reruns with
+independent full-sequence reference in ``mtp_tv_dev.reference``. Every worker also reruns with
 ``MEGATRON_MTP_TV_FUSED=0`` (the recompute path), which must give the same numbers (up to the order of summation).
 """
 
@@ -15,7 +15,7 @@ import torch
 from megatron.mtp_tv.losses import LOSSES
 from megatron.mtp_tv.mtp_loss import FUSED_ENV
 from mtp_tv_dev.distributed import spawn
-from tests.reference import depth_terms, objective, per_token_values, shifted_mask
+from mtp_tv_dev.reference import depth_terms, objective, per_token_values, shifted_mask
 
 VOCAB, HIDDEN, SEQ, BATCH, FACTOR = 64, 32, 12, 2, 0.3
 

@@ -36,6 +36,7 @@ ALL_PATHS = grad_precision.VARIANTS
         ('bf16', 4096, ('tv', 'nla'), ('own',)),
     ],
 )
+@pytest.mark.slow
 def test_gradient_error_is_at_most_twice_megatron_ce(dtype, tokens, losses, variants):
     results = grad_precision.measure(dtype, tokens, losses, variants=variants)
     ce_draft, ce_weight = results.pop('ce')
@@ -45,6 +46,7 @@ def test_gradient_error_is_at_most_twice_megatron_ce(dtype, tokens, losses, vari
 
 
 @pytest.mark.parametrize('dtype', ['fp16', 'bf16'])
+@pytest.mark.slow
 def test_cold_head_gradient_error_is_at_most_twice_megatron_ce(dtype):
     # A fresh head (draft unrelated to the target): 'nla''s coefficient w / alpha is 7-160 w.
     results = grad_precision.measure(dtype, 1024, ('tv', 'nla'), cold=True, variants=ALL_PATHS)
@@ -64,7 +66,7 @@ def test_fp16_gradients_are_not_flushed_to_zero():
     token_weights = (mask * (0.1 / mask.sum()))[None, :, None]
     linear_tv_loss(draft[None], main, w, token_weights, loss_type='tv').loss.mul(65536.0).backward()
     w64 = weight.double().requires_grad_()
-    from tests.reference import depth_terms, objective
+    from mtp_tv_dev.reference import depth_terms, objective
 
     alpha, kl = depth_terms(main.double(), [draft.double()], w64)
     objective('tv', alpha, kl, mask.double()[None, :, None], 0.1).mul(65536.0).backward()

@@ -8,7 +8,7 @@ import pytest
 
 from megatron.mtp_tv import config
 from megatron.mtp_tv.losses import LOSSES, DraftLoss, loss_from_config, make_loss
-from tests import reference
+from mtp_tv_dev import reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ def test_every_registered_loss_is_a_named_draft_loss_with_a_float64_reference():
     for name, cls in LOSSES.items():
         assert issubclass(cls, DraftLoss) and cls.name == name
         assert cls.grad_bound > 0
-    # tests/reference.py writes each loss from its equations; a new loss needs one there.
+    # mtp_tv_dev/reference.py writes each loss from its equations; a new loss needs one there.
     assert set(reference.LOSS_TYPES) == set(LOSSES)
 
 

@@ -146,6 +146,7 @@ def _run_demo(args, env_extra=None):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_smoke_preset_runs_every_scenario_and_resumes(tmp_path):
     """The command end to end on the ``smoke`` preset: every scenario of the ``long`` preset
     (learning-rate sweeps, the graft with its fine-tuned backbone, joint training, the chain;

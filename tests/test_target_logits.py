@@ -6,7 +6,7 @@ import torch
 
 from megatron.mtp_tv.linear_tv import TargetSegment, choose_grad_storage, linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES
-from tests.reference import depth_terms, objective, token_weights
+from mtp_tv_dev.reference import depth_terms, objective, token_weights
 
 S, B, H, V = 7, 2, 8, 13
 

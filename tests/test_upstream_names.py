@@ -5,7 +5,7 @@ very code path of ``'ce'`` (bit-identical losses, logged values and gradients), 
 ``mtp_log_acceptance``, and reach the config from ``--mtp-loss-type cross_entropy``.
 
 Runs in both modes: with the plugin (this checkout, ``install()``) and, under
-``tools/test_patched_tree.py`` (``MTP_TV_MODE=patch``), against the patched tree, whose own
+``tools/run_patched_suite.py`` (``MTP_TV_MODE=patch``), against the patched tree, whose own
 ``process_mtp_loss`` makes the dispatch.
 """
 

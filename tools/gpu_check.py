@@ -6,7 +6,7 @@ importable the CE baseline is Megatron's ``vocab_parallel_cross_entropy``, other
 ``cross_entropy`` on the same fp32 logits (cheaper than Megatron's, so a stricter baseline).
 
 1. **Correctness** (fp32, Triton row kernels required): ``linear_tv_loss`` against the
-   independent full-vocabulary reference of ``tests/reference.py`` (float64, CPU) for ``'tv'``,
+   independent full-vocabulary reference of ``mtp_tv_dev/reference.py`` (float64, CPU) for ``'tv'``,
    ``'e2e_tv'``, ``'kl'``, ``'lk'`` (at T = 0.7) and ``'nla'``, 1 and 3 depths, several chunk
    sizes, fused and recompute; the Triton kernels against the torch row ops at an LLM vocabulary
    (151936, several tiles); a bf16 model against its fp32 twin.
@@ -42,7 +42,7 @@ from lossbench.cases import _CEProducts, _TVProducts  # noqa: E402
 from megatron.mtp_tv.linear_tv import linear_tv_loss  # noqa: E402
 from megatron.mtp_tv.losses import LOSSES  # noqa: E402
 from megatron.mtp_tv.row_ops import TRITON_ENV, TorchRowOps, TritonRowOps, select_row_ops  # noqa: E402
-from tests.reference import depth_terms, objective, token_weights  # noqa: E402
+from mtp_tv_dev.reference import depth_terms, objective, token_weights  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------

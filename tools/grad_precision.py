@@ -26,7 +26,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.reference import depth_terms, objective  # noqa: E402  (independent fp64 reference)
+from mtp_tv_dev.reference import depth_terms, objective  # noqa: E402  (independent fp64 reference)
 
 DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16}
 #: Megatron's fp16 training scales the loss (dynamically; 2**16 is a typical settled value);

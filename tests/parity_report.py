@@ -1,10 +1,10 @@
 """Print the max abs differences behind the parallel-layout tests (for notes and the README).
 
-    .venv/bin/python tools/parity_report.py
+    .venv/bin/python -m tests.parity_report
 
 Whole model: TP=2 (with/without sequence parallel) against TP=1, over every gathered parameter
 gradient and the logged per-depth losses. process_mtp_loss level: context-parallel ranks and
-packed rows against the full-sequence reference of tests/reference.py, in Megatron's zigzag
+packed rows against the full-sequence reference of mtp_tv_dev/reference.py, in Megatron's zigzag
 layout and in NVIDIA dev's contiguous one.
 """
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Run the test suite against megatron-core 0.19.2 patched with ``patches/megatron-core-0.19.2.patch``.
 
-    python tools/test_patched_tree.py                 # what `make test` runs after the plugin suite
-    python tools/test_patched_tree.py -- tests/test_model_tv.py -x   # pytest arguments after --
-    python tools/test_patched_tree.py --keep /tmp/t   # keep the patched tree there
+    python tools/run_patched_suite.py                 # what `make test` runs after the plugin suite
+    python tools/run_patched_suite.py -- tests/test_model_tv.py -x   # pytest arguments after --
+    python tools/run_patched_suite.py --keep /tmp/t   # keep the patched tree there
 
 Steps: take the registry wheel of megatron-core 0.19.2 (cached in $MTP_TV_CACHE or else
 ~/.cache/megatron-mtp-tv, created if missing; downloaded with pip, sha256-pinned), unpack it, ``git apply`` the patch at its root
