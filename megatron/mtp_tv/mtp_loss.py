@@ -11,7 +11,7 @@ normalisation, ``calculate_per_token_loss``, ``MTPLossAutoScaler`` and the track
 
 import inspect
 import os
-from typing import Callable, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -27,10 +27,10 @@ from .alignment import CP_LAYOUTS, target_segments
 from .bridge import check_megatron_args
 from .config import is_cross_entropy, validate_mtp_loss_config
 from .linear_tv import linear_tv_loss
-from .sweep import TargetSegment
 from .losses import loss_from_config
 from .main_logits import open_slot
 from .metrics import save_acceptance_to_tracker
+from .sweep import TargetSegment
 from .vocab_parallel import group_size, vocab_range
 
 #: Set to 0 to recompute each chunk in backward instead of computing gradients during forward
@@ -143,11 +143,8 @@ def process_mtp_tv_loss(
     """
     del compute_language_model_loss, runtime_gather_output  # the TV path never builds full logits
     _check_config(config)
-    depth = config.mtp_num_layers
-    loss_type = getattr(config, 'mtp_loss_type', 'ce')
-    if is_cross_entropy(loss_type):
-        loss_type = 'tv'  # metrics only
-    loss_fn = loss_from_config(config, loss_type)
+    depth, loss_type = config.mtp_num_layers, getattr(config, 'mtp_loss_type', 'ce')
+    loss_fn = loss_from_config(config, 'tv' if is_cross_entropy(loss_type) else loss_type)  # 'ce': metrics
     # One split into the main rows and every depth's rows, as Megatron's torch.chunk: in
     # backward one node then assembles the [(1+D)s, b, h] gradient; two views of hidden_states
     # (a chunk and a slice) would each build one of that size, and the loss would peak above CE.
@@ -157,19 +154,123 @@ def process_mtp_tv_loss(
     def roll(t, field, roll_depth):
         return _roll_once(t, cp_group, packed_seq_params, sequence_roll_context, field, roll_depth)
 
-    # As dev: labels derived from input_ids are input_ids rolled once more, so each depth's
-    # roll of them (and of the mask, rolled along) reads one halo row further.
+    weight = _output_weight(output_layer, output_weight, config, loss_type)
+    cp_layout = _cp_layout(packed_seq_params, cp_group, loss_type)
+    rolled = _roll_per_depth(labels, input_ids, loss_mask, depth, roll)
+    if rolled is None:  # neither labels nor input ids: nothing to train against
+        return main_hidden
+    tp_group = tp_group if tp_group is not None else getattr(output_layer, 'tp_group', None)
+    token_weights = _token_weights(loss_fn, rolled, config)
+
+    # Where GPTModel._postprocess projects the main head next (megatron.mtp_tv.main_logits),
+    # the sweep runs on those logits: the target is not projected twice. Not for the metrics
+    # pass (it runs under no_grad here, the main projection with gradients), nor in recompute
+    # mode (the logits would be kept for backward, and Megatron's CE overwrites them in place).
+    fused = os.environ.get(FUSED_ENV, '1') != '0'
+    slot = open_slot(output_layer) if main_logits is None and fused and not metrics_only else None
+    # The target's hidden states serve the own projection and the context-parallel halos (rows
+    # of another rank, projected here); from the main logits without CP they are not gathered.
+    needs_target_hidden = (main_logits is None and slot is None) or group_size(cp_group) > 1
+    draft, target = _vocab_parallel_layout(
+        draft, main_hidden, depth, tp_group, bool(getattr(output_layer, 'sequence_parallel', False)),
+        needs_target_hidden,
+    )
+    cu_seqlens = packed_seq_params.cu_seqlens_q.tolist() if packed_seq_params is not None else None
+    segments = (  # without the target's hidden states (no CP): one segment over the sequence
+        [TargetSegment(0, draft.shape[1])] if target is None
+        else target_segments(target, depth, cp_group, cu_seqlens, cp_layout)
+    )
+
+    def sweep(main_logits: Optional[Tensor] = None) -> Tensor:
+        """The loss (and the tracker's metrics), from the main logits or projecting the target."""
+        if main_logits is not None:
+            main_logits = _local_vocab_shard(main_logits, weight.shape[0], tp_group)
+        result = linear_tv_loss(
+            draft, target if main_logits is None else None, weight, token_weights,
+            loss_type=loss_fn, chunk_size=config.mtp_tv_chunk, tp_group=tp_group,
+            logits_fn=scale_logits_fn, segments=segments,
+            labels=torch.stack(rolled.labels).transpose(1, 2) if is_training else None,
+            fused=fused, temperature=getattr(config, 'mtp_tv_temperature', 1.0),
+            metrics=is_training, target_logits=main_logits,
+        )
+        if is_training:
+            save_acceptance_to_tracker(
+                alpha=result.alpha, masks=rolled.masks.transpose(1, 2),
+                greedy_correct=result.greedy_correct, greedy_agreement=result.greedy_agreement,
+                per_depth_loss=result.per_depth,
+                avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+                log_loss=not metrics_only,
+            )
+        return result.loss
+
+    if slot is not None:  # the sweep runs on the main logits the output layer projects next
+        slot.defer(main_hidden, sweep)
+        return main_hidden
+    loss = sweep(main_logits.detach() if main_logits is not None else None)
+    return main_hidden if metrics_only else _mtp.MTPLossAutoScaler.apply(main_hidden, loss)
+
+
+class _Rolled(NamedTuple):
+    """Every depth's labels and loss mask, rolled exactly as Megatron's CE path rolls them."""
+
+    labels: List[Tensor]
+    """``D`` tensors ``[b, s]``: depth k's labels."""
+    masks: Tensor
+    """``[D, b, s]`` float: depth k's loss mask."""
+    num_tokens: List[Tensor]
+    """``D`` scalars: each depth's valid tokens (``roll_tensor``'s sum)."""
+    original_num_tokens: Tensor
+    """The unrolled mask's sum (``calculate_per_token_loss`` scales by it)."""
+
+
+def _roll_per_depth(labels, input_ids, loss_mask, depth: int, roll) -> Optional[_Rolled]:
+    """Labels and masks of every depth; None without labels and input ids.
+
+    As dev: labels derived from input_ids are input_ids rolled once more, so each depth's roll of
+    them (and of the mask, rolled along) reads one halo row further.
+    """
     derived = labels is None
     label_field = 'input_ids' if derived else 'labels'
     if derived:
         if input_ids is None:
-            return main_hidden
+            return None
         loss_mask = torch.ones_like(input_ids) if loss_mask is None else loss_mask
         labels, _ = roll(input_ids, 'input_ids', 0)
         loss_mask, _ = roll(loss_mask, 'loss_mask', 0)
     elif loss_mask is None:
         loss_mask = torch.ones_like(labels)
+    original_num_tokens = loss_mask.sum()
+    depth_labels, depth_masks, depth_num_tokens = [], [], []
+    for k in range(depth):
+        labels, _ = roll(labels, label_field, k + derived)
+        loss_mask, num_tokens = roll(loss_mask, 'loss_mask', k + derived)
+        depth_labels.append(labels)
+        depth_masks.append(loss_mask)
+        depth_num_tokens.append(num_tokens)
+    return _Rolled(depth_labels, torch.stack(depth_masks).float(), depth_num_tokens, original_num_tokens)
 
+
+def _token_weights(loss_fn, rolled: _Rolled, config) -> Tensor:
+    """The weights that carry mask and normalisation, so that the loss is Megatron's
+    ``scale * sum``: ``[D, s, b]`` per depth and token (normalised per depth as CE), or ``[s, b]``
+    per chain for a per-chain loss (a chain counts only if every depth's target is valid)."""
+    depth = rolled.masks.shape[0]
+    if not loss_fn.per_chain:
+        num_tokens = torch.stack(rolled.num_tokens).float().clamp(min=1)  # [D]
+        norm = config.mtp_loss_scaling_factor / depth / num_tokens
+        if config.calculate_per_token_loss:
+            norm = norm * rolled.original_num_tokens
+        return (rolled.masks * norm.view(-1, 1, 1)).transpose(1, 2)
+    chains = rolled.masks.prod(0)
+    norm = config.mtp_loss_scaling_factor / chains.sum().clamp(min=1)
+    if config.calculate_per_token_loss:
+        norm = norm * rolled.original_num_tokens
+    return (chains * norm).transpose(0, 1)
+
+
+def _output_weight(output_layer, output_weight, config, loss_type: str) -> Tensor:
+    """The ``[V/tp, h]`` weight the drafts are projected with (detached with
+    ``mtp_detach_heads``). Raises ValueError for an output layer with a bias."""
     weight = output_weight if output_weight is not None else output_layer.weight
     if getattr(config, 'mtp_detach_heads', False):  # not a field in every Megatron tree
         weight = weight.detach()
@@ -178,53 +279,14 @@ def process_mtp_tv_loss(
             f"mtp_loss_type={loss_type!r} supports an output layer without bias (GPTModel's); "
             "this output layer has a bias."
         )
-    cp_layout = _cp_layout(packed_seq_params, cp_group, loss_type)
-    tp_group = tp_group if tp_group is not None else getattr(output_layer, 'tp_group', None)
-    sequence_parallel = bool(getattr(output_layer, 'sequence_parallel', False))
+    return weight
 
-    # Per-depth rolled labels and masks, exactly as Megatron's CE path rolls them.
-    original_num_tokens = loss_mask.sum()
-    depth_labels, depth_masks, depth_num_tokens = [], [], []
-    mtp_labels = labels
-    for k in range(depth):
-        mtp_labels, _ = roll(mtp_labels, label_field, k + derived)
-        loss_mask, num_tokens = roll(loss_mask, 'loss_mask', k + derived)
-        depth_labels.append(mtp_labels)
-        depth_masks.append(loss_mask)
-        depth_num_tokens.append(num_tokens)
-    masks = torch.stack(depth_masks).float()  # [D, b, s]
 
-    # Weights carry mask and normalisation: the loss is then Megatron's scale * sum(tensor).
-    if not loss_fn.per_chain:  # per depth and token, normalised per depth as CE
-        num_tokens = torch.stack(depth_num_tokens).float().clamp(min=1)  # [D]
-        scale = config.mtp_loss_scaling_factor / depth
-        norm = scale / num_tokens
-        if config.calculate_per_token_loss:
-            norm = norm * original_num_tokens
-        token_weights = (masks * norm.view(-1, 1, 1)).transpose(1, 2)  # [D, s, b]
-    else:
-        chains = masks.prod(0)  # a chain counts only if every depth's target is valid
-        num_chains = chains.sum().clamp(min=1)
-        norm = config.mtp_loss_scaling_factor / num_chains
-        if config.calculate_per_token_loss:
-            norm = norm * original_num_tokens
-        token_weights = (chains * norm).transpose(0, 1)  # [s, b]
-
-    # Where GPTModel._postprocess projects the main head next (megatron.mtp_tv.main_logits),
-    # the sweep runs on those logits: the target is not projected twice. Not for the metrics
-    # pass (it runs under no_grad here, the main projection with gradients), nor in recompute
-    # mode (the logits would be kept for backward, and Megatron's CE overwrites them in place).
-    fused = os.environ.get(FUSED_ENV, '1') != '0'
-    slot = None
-    if main_logits is None and fused and not metrics_only:
-        slot = open_slot(output_layer)
-    # The target's hidden states serve the own projection and the context-parallel halos (rows
-    # of another rank, projected here); from the main logits without CP they are not gathered.
-    needs_target_hidden = (main_logits is None and slot is None) or group_size(cp_group) > 1
-
-    # Inputs in the layout the vocab-sharded projection needs, with Megatron's own TP mappings
-    # (their backward is the all-reduce / reduce-scatter a column-parallel layer would do).
-    # draft: [D*s', b, h], one block per depth
+def _vocab_parallel_layout(draft, main_hidden, depth, tp_group, sequence_parallel, needs_target):
+    """``(draft [D, s, b, h], target [s, b, h] or None)`` in the layout the vocab-sharded
+    projection needs, with Megatron's own TP mappings (their backward is the all-reduce /
+    reduce-scatter a column-parallel layer would do); ``draft`` comes in as ``[D*s', b, h]``,
+    one block per depth."""
     target = main_hidden.detach()
     tp = group_size(tp_group)
     if tp > 1 and sequence_parallel:
@@ -232,61 +294,11 @@ def process_mtp_tv_loss(
         s_local = main_hidden.shape[0]
         draft = draft.view(tp, depth, s_local, *draft.shape[1:]).transpose(0, 1)
         draft = draft.reshape(depth, tp * s_local, *draft.shape[3:])
-        target = gather_from_sequence_parallel_region(target, True, tp_group) if needs_target_hidden else None
-    else:
-        if tp > 1:
-            draft = copy_to_tensor_model_parallel_region(draft, tp_group)
-        draft = draft.view(depth, main_hidden.shape[0], *draft.shape[1:])
-
-    cu_seqlens = packed_seq_params.cu_seqlens_q.tolist() if packed_seq_params is not None else None
-    if target is None:  # no CP: one segment over the (gathered) sequence
-        segments = [TargetSegment(0, draft.shape[1])]
-    else:
-        segments = target_segments(target, depth, cp_group, cu_seqlens, cp_layout)
-    stacked_labels = torch.stack(depth_labels).transpose(1, 2) if is_training else None
-
-    def sweep(main_logits: Optional[Tensor] = None) -> Tensor:
-        """The loss (and the tracker's metrics), from the main logits or projecting the target."""
-        if main_logits is not None:
-            main_logits = _local_vocab_shard(main_logits, weight.shape[0], tp_group)
-        result = linear_tv_loss(
-            draft,
-            target if main_logits is None else None,
-            weight,
-            token_weights,
-            loss_type=loss_fn,
-            chunk_size=config.mtp_tv_chunk,
-            tp_group=tp_group,
-            logits_fn=scale_logits_fn,
-            segments=segments,
-            labels=stacked_labels,
-            fused=fused,
-            temperature=getattr(config, 'mtp_tv_temperature', 1.0),
-            metrics=is_training,
-            target_logits=main_logits,
-        )
-        if is_training:
-            save_acceptance_to_tracker(
-                alpha=result.alpha,
-                masks=masks.transpose(1, 2),
-                greedy_correct=result.greedy_correct,
-                greedy_agreement=result.greedy_agreement,
-                per_depth_loss=result.per_depth,
-                avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
-                log_loss=not metrics_only,
-            )
-        return result.loss
-
-    if main_logits is not None:
-        loss = sweep(main_logits.detach())
-        return main_hidden if metrics_only else _mtp.MTPLossAutoScaler.apply(main_hidden, loss)
-    if slot is not None:
-        slot.defer(main_hidden, sweep)
-        return main_hidden
-    loss = sweep()
-    if metrics_only:
-        return main_hidden
-    return _mtp.MTPLossAutoScaler.apply(main_hidden, loss)
+        target = gather_from_sequence_parallel_region(target, True, tp_group) if needs_target else None
+        return draft, target
+    if tp > 1:
+        draft = copy_to_tensor_model_parallel_region(draft, tp_group)
+    return draft.view(depth, main_hidden.shape[0], *draft.shape[1:]), target
 
 
 def _local_vocab_shard(main_logits: Tensor, vocab_local: int, tp_group) -> Tensor:
