@@ -10,7 +10,7 @@ import torch
 import megatron.mtp_tv
 from megatron.mtp_tv import mtp_loss as mtp_loss_module
 from megatron.mtp_tv.losses import LOSSES
-from megatron.mtp_tv.main_logits import MAIN_LOGITS_ENV, reuse_main_logits
+from megatron.mtp_tv.main_logits import reuse_main_logits
 from mtp_tv_dev.distributed import single_process
 from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss
 
@@ -58,9 +58,8 @@ def _model(loss_type='tv', depth=2, **overrides):
 
 def _step(model, monkeypatch=None, own=False):
     tokens, labels, mask = _batch()
+    model.config.mtp_tv_target = 'projection' if own else 'main_logits'
     with contextlib.ExitStack() as stack:
-        if own:
-            stack.enter_context(pytest.MonkeyPatch.context()).setenv(MAIN_LOGITS_ENV, '0')
         seen = stack.enter_context(_targets_seen())
         loss = forward_loss(model, tokens, labels, mask)
         (loss * mask).sum().backward()
@@ -127,7 +126,7 @@ def test_fused_linear_cross_entropy_and_the_switch_fall_back(monkeypatch):
     _, _, seen = _step(model)
     assert seen == [False]
     del model.fuse_linear_cross_entropy
-    monkeypatch.setenv(mtp_loss_module.FUSED_ENV, '0')  # recompute mode keeps its target
+    model.config.mtp_tv_backward = 'recompute'  # recompute mode keeps its target
     _, _, seen = _step(model)
     assert seen == [False]
 

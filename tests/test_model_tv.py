@@ -37,13 +37,13 @@ def _grads(model):
 
 
 @contextlib.contextmanager
-def _target(target):
+def _target(config, target):
     """Run the package's loss with its target from the main logits (``'main_logits'``, where
     GPTModel._postprocess computes them) or projected by the loss (``'own'``, the fallback), and
     check that this is the path taken."""
     from megatron.mtp_tv import mtp_loss
-    from megatron.mtp_tv.main_logits import MAIN_LOGITS_ENV
 
+    config.mtp_tv_target = 'projection' if target == 'own' else 'main_logits'
     seen = []
     original = mtp_loss.linear_tv_loss
 
@@ -53,8 +53,6 @@ def _target(target):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mtp_loss, 'linear_tv_loss', spy)
-        if target == 'own':
-            mp.setenv(MAIN_LOGITS_ENV, '0')
         yield
     assert set(seen) <= {target}, seen
 
@@ -74,7 +72,7 @@ def _run_package(depth, loss_type, chunk, tie, zero_mask=False, factor=FACTOR, t
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(model.config, model)
-    with _target(target):
+    with _target(model.config, target):
         loss = forward_loss(model, tokens, labels, mask)
     main = (loss * mask).sum() / mask.sum().clamp(min=1)
     main.backward()

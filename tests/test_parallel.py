@@ -3,17 +3,15 @@
 Spawned gloo workers on CPU. Whole-model runs compare TP=2 against TP=1 with the same weights;
 ``process_mtp_loss``-level runs compare context-parallel ranks and packed rows against the
 independent full-sequence reference in ``mtp_tv_dev.reference``. Every worker also reruns with
-``MEGATRON_MTP_TV_FUSED=0`` (the recompute path), which must give the same numbers (up to the order of summation).
+``mtp_tv_backward='recompute'``, which must give the same numbers (up to the order of summation).
 """
 
 import importlib
-import os
 
 import pytest
 import torch
 
 from megatron.mtp_tv.losses import LOSSES
-from megatron.mtp_tv.mtp_loss import FUSED_ENV
 from mtp_tv_dev.distributed import spawn
 from mtp_tv_dev.reference import depth_terms, objective, per_token_values, shifted_mask
 
@@ -40,8 +38,6 @@ def _model_worker(rank, loss_type, depth, tie, sequence_parallel):
         tie_embeddings=tie, sequence_parallel=sequence_parallel, mtp_loss_type=loss_type,
         mtp_tv_chunk=5, mtp_loss_scaling_factor=FACTOR,
     )
-    from megatron.mtp_tv.main_logits import MAIN_LOGITS_ENV
-
     # The loss's own sequence-parallel all-gathers (draft, and target if needed), counted in
     # whichever copy of the loss the model runs: this checkout's, or a patched tree's own.
     gathers, originals = [], {}
@@ -59,23 +55,21 @@ def _model_worker(rank, loss_type, depth, tie, sequence_parallel):
     runs = []
     # The default (fused, target from the main logits), the fused path projecting its own target,
     # then the recompute path (which always projects its own), on the same model.
-    for fused, main_logits in (('1', '1'), ('1', '0'), ('0', '1')):
-        os.environ[FUSED_ENV] = fused
-        os.environ[MAIN_LOGITS_ENV] = main_logits
+    for backward, target in (('fused', 'main_logits'), ('fused', 'projection'), ('recompute', 'main_logits')):
+        model.config.mtp_tv_backward, model.config.mtp_tv_target = backward, target
         for param in model.parameters():
             param.grad = None
         MTPLossLoggingHelper.tracker.clear()
         gathers.clear()
         loss = forward_loss(model, tokens, labels, mask)
         if sequence_parallel:  # the target from the main logits needs no gathered hidden states
-            assert len(gathers) == (1 if (fused, main_logits) == ('1', '1') else 2), gathers
+            assert len(gathers) == (1 if (backward, target) == ('fused', 'main_logits') else 2), gathers
         ((loss * mask).sum() / mask.sum()).backward()
         if sequence_parallel:
             allreduce_sequence_parallel_grads(model)
         logged = MTPLossLoggingHelper.tracker['loss_values'].clone()
         metrics = {k: float(v) for k, v in acceptance_metrics().items()}
         runs.append((gather_tp_params(model), logged, metrics))
-    del os.environ[MAIN_LOGITS_ENV]
     for module, gather in originals.items():
         module.gather_from_sequence_parallel_region = gather
     return runs
@@ -106,7 +100,7 @@ def test_whole_model_tp2_matches_tp1(loss_type, depth, tie, sequence_parallel):
             assert compare_gathered(ref_params, run_params, atol=1e-5, rtol=1e-4) == []
             torch.testing.assert_close(run_logged, ref_logged, rtol=1e-5, atol=1e-6)
             assert run_metrics == pytest.approx(ref_metrics, rel=1e-5)
-        # MEGATRON_MTP_TV_FUSED=0 recomputes the same chunks in backward: the same numbers as the
+        # mtp_tv_backward='recompute' recomputes the same chunks in backward: the same numbers as the
         # fused path with the same (own) target, up to the order in which the weight gradient is
         # summed (the fused path may keep the logit gradients and sum them in one product).
         assert compare_gathered(own[0], recomputed[0], atol=1e-8, rtol=1e-5) == []
@@ -173,8 +167,8 @@ def _fused_and_recomputed(process_mtp_loss, local_hidden, weight, loss_type, dep
     with torch.no_grad():
         layer.weight.copy_(weight)
     runs = []
-    for fused in ('1', '0'):  # the default fused path, then the recompute path
-        os.environ[FUSED_ENV] = fused
+    for backward in ('fused', 'recompute'):  # the default fused path, then the recompute path
+        config.mtp_tv_backward = backward
         local_hidden.grad = layer.weight.grad = None
         mtp.MTPLossLoggingHelper.tracker.clear()
         out = process_mtp_loss(
@@ -189,7 +183,7 @@ def _fused_and_recomputed(process_mtp_loss, local_hidden, weight, loss_type, dep
     # halo rows of other ranks are still hidden states, projected by the loss.
     from megatron.mtp_tv.mtp_loss import process_mtp_tv_loss
 
-    os.environ[FUSED_ENV] = '1'
+    config.mtp_tv_backward = 'fused'
     local_hidden.grad = layer.weight.grad = None
     mtp.MTPLossLoggingHelper.tracker.clear()
     main_logits = local_hidden.detach().chunk(1 + depth)[0] @ weight.t()

@@ -14,8 +14,9 @@ This module must not import Megatron: it is imported before Megatron is patched 
 """
 
 import math
+import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from .losses import LOSSES
 
@@ -74,12 +75,39 @@ class MTPLossConfig:
     """eta of the 'lk' loss, lambda = exp(-eta * alpha): 0 is 'kl', large values approach 'tv'.
     Must be >= 0 and finite."""
 
+    mtp_tv_target: Literal['main_logits', 'projection'] = 'main_logits'
+    """Where every loss but 'ce' reads the main model's distribution p. 'main_logits' (default):
+    from the logits GPTModel._postprocess computes for the main loss anyway, where it does (no
+    extra matrix product); elsewhere (an output_processor, fused linear cross-entropy, HybridModel,
+    mtp_tv_backward='recompute') the loss projects the main hidden states itself. 'projection':
+    always project them inside the loss (one more [tokens, h] x [h, V/tp] product per chunk; the
+    same numbers up to rounding, for comparison and debugging)."""
+
+    mtp_tv_backward: Literal['fused', 'recompute'] = 'fused'
+    """How every loss but 'ce' forms its gradients. 'fused' (default): in the forward pass, chunk
+    by chunk, keeping for backward the smaller of the fp32 gradients and the logit gradients.
+    'recompute': keep only the inputs and run the chunked loss again in backward (the projections
+    twice, slower; the same numbers up to the order of summation, for debugging)."""
+
     mtp_log_acceptance: bool = False
     """Log the expected rejection-sampling acceptance (per-depth mean alpha, the expected
     accepted draft tokens per verify step, greedy agreement with the main model) with
     mtp_loss_type='ce' too. Always on for the other loss types. Costs one extra projection of
     the main hidden states per chunk, without gradients."""
 # END MTP_TV FIELDS
+
+
+#: The choices of the ``Literal`` fields other than ``mtp_loss_type``, read from their annotations.
+_CHOICES = {
+    name: get_args(MTPLossConfig.__annotations__[name]) for name in ('mtp_tv_target', 'mtp_tv_backward')
+}
+
+#: Environment variables earlier versions read on every call, and the fields that replace them: a
+#: user who still sets one gets an error, not a setting silently ignored.
+_REPLACED_ENV = {
+    'MEGATRON_MTP_TV_MAIN_LOGITS': 'mtp_tv_target',
+    'MEGATRON_MTP_TV_FUSED': 'mtp_tv_backward',
+}
 
 
 def _is_real(value) -> bool:
@@ -128,6 +156,16 @@ def validate_mtp_loss_config(config) -> None:
                 loss(**{arg: value})
             except ValueError as error:
                 raise ValueError(f"{field}={value!r} is invalid; {error}") from None
+    for name in ('mtp_tv_target', 'mtp_tv_backward'):
+        value = getattr(config, name, _CHOICES[name][0])
+        if value not in _CHOICES[name]:
+            raise ValueError(f"{name}={value!r} is not supported; choose one of {list(_CHOICES[name])}.")
+    for env, field in _REPLACED_ENV.items():
+        if env in os.environ:
+            raise ValueError(
+                f"{env}={os.environ[env]!r} is set, but this environment variable is no longer read: "
+                f"set the config field {field} (--{field.replace('_', '-')}) instead and unset {env}."
+            )
     log_acceptance = getattr(config, 'mtp_log_acceptance', False)
     if not isinstance(log_acceptance, bool):
         raise ValueError(f"mtp_log_acceptance={log_acceptance!r} must be True or False.")

@@ -20,10 +20,10 @@ Where no main logits follow, nothing is deferred and the loss projects its own t
 before: no slot is opened for a ``_postprocess`` given an ``output_processor`` (it may never
 call the output layer), for Megatron ``dev``'s fused linear cross-entropy (no logits are
 materialised), in inference (``process_mtp_loss`` is not called there; last-token-only logits
-never reach it), for the recompute mode (``MEGATRON_MTP_TV_FUSED=0``, which would keep the
+never reach it), for the recompute mode (``mtp_tv_backward='recompute'``, which would keep the
 logits for backward while Megatron's cross-entropy overwrites them in place), for models other
 than ``GPTModel`` (``HybridModel`` computes its MTP loss in ``forward``) or with
-``MEGATRON_MTP_TV_MAIN_LOGITS=0``. A deferred loss that no output-layer call picked up is an
+``mtp_tv_target='projection'``. A deferred loss that no output-layer call picked up is an
 error raised at the end of the same ``_postprocess``, never a silently missing MTP gradient.
 
 Imports only torch at module level: ``gpt_model.py`` imports this module in patch mode.
@@ -32,13 +32,9 @@ Imports only torch at module level: ``gpt_model.py`` imports this module in patc
 import contextvars
 import functools
 import inspect
-import os
 from typing import Callable, Optional
 
 import torch
-
-#: Set to 0 to make the TV losses project their own target even where the main logits follow.
-MAIN_LOGITS_ENV = 'MEGATRON_MTP_TV_MAIN_LOGITS'
 
 _SLOT: contextvars.ContextVar = contextvars.ContextVar('mtp_tv_main_logits_slot', default=None)
 
@@ -107,9 +103,9 @@ class MainLogitsSlot:
             raise RuntimeError(
                 'mtp_tv: the MTP loss was deferred to the main logits of GPTModel._postprocess, '
                 'but its output layer never projected the main hidden states, so the MTP loss '
-                f'was not computed. This _postprocess is not one mtp_tv knows; set '
-                f'{MAIN_LOGITS_ENV}=0 to project the target inside the MTP loss instead, and '
-                'report the Megatron version.'
+                "was not computed. This _postprocess is not one mtp_tv knows; set "
+                "mtp_tv_target='projection' to project the target inside the MTP loss instead, "
+                'and report the Megatron version.'
             )
 
 
@@ -150,9 +146,9 @@ def reuse_main_logits(postprocess: Callable) -> Callable:
 
 def _main_logits_follow(model, signature, args, kwargs) -> bool:
     """Whether this ``_postprocess`` call projects the main head after its MTP loss."""
-    if os.environ.get(MAIN_LOGITS_ENV, '1') == '0':
-        return False
     config = getattr(model, 'config', None)
+    if getattr(config, 'mtp_tv_target', 'main_logits') != 'main_logits':
+        return False
     if not getattr(config, 'mtp_num_layers', None) or not getattr(model, 'post_process', False):
         return False
     if getattr(model, 'output_layer', None) is None:

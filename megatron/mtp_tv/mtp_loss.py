@@ -10,7 +10,6 @@ normalisation, ``calculate_per_token_loss``, ``MTPLossAutoScaler`` and the track
 """
 
 import inspect
-import os
 from typing import Callable, List, NamedTuple, Optional
 
 import torch
@@ -32,11 +31,6 @@ from .main_logits import open_slot
 from .metrics import save_acceptance_to_tracker
 from .sweep import TargetSegment
 from .vocab_parallel import group_size, vocab_range
-
-#: Set to 0 to recompute each chunk in backward instead of computing gradients during forward
-#: (slower, the same numbers up to rounding; for debugging).
-FUSED_ENV = 'MEGATRON_MTP_TV_FUSED'
-
 
 def _roll_once(
     tensor: Tensor, cp_group, packed_seq_params, roll_context=None, field=None, roll_depth=0
@@ -166,7 +160,7 @@ def process_mtp_tv_loss(
     # the sweep runs on those logits: the target is not projected twice. Not for the metrics
     # pass (it runs under no_grad here, the main projection with gradients), nor in recompute
     # mode (the logits would be kept for backward, and Megatron's CE overwrites them in place).
-    fused = os.environ.get(FUSED_ENV, '1') != '0'
+    fused = getattr(config, 'mtp_tv_backward', 'fused') == 'fused'
     slot = open_slot(output_layer) if main_logits is None and fused and not metrics_only else None
     # The target's hidden states serve the own projection and the context-parallel halos (rows
     # of another rank, projected here); from the main logits without CP they are not gathered.

@@ -5,12 +5,10 @@ plugin; ``step``: a real GPTModel's ``_postprocess``), and what the measured los
 (:func:`loss_mode`, :func:`tv_target_source`).
 """
 
-import contextlib
 import gc
 import importlib
 import importlib.util
 import math
-import os
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -88,49 +86,31 @@ class Case:
     clears the gradients of the leaves (outside the timed region).
     """
 
-    def __init__(self, forward: Callable[[], torch.Tensor], leaves: List[torch.Tensor],
-                 env: Optional[Dict[str, str]] = None):
+    def __init__(self, forward: Callable[[], torch.Tensor], leaves: List[torch.Tensor]):
         self.forward = forward
         self.leaves = leaves
-        self.env = env or {}
-
-    @contextlib.contextmanager
-    def environment(self):
-        old = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-        try:
-            yield
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
     def reset(self) -> None:
         for leaf in self.leaves:
             leaf.grad = None
 
     def step(self) -> None:
-        with self.environment():
-            out = self.forward()
-            out.sum().backward()
+        self.forward().sum().backward()
 
     def memory(self) -> Dict[str, float]:
         """Peak extra bytes of fwd+bwd and bytes saved for backward (one untimed run)."""
         self.reset()
         gc.collect()
-        with self.environment():
-            tracker = LiveBytesTracker()
-            with tracker:
-                tracker.mark('forward')
-                with SavedTensorsCounter(tracker) as saved:
-                    out = self.forward().sum()
-                tracker.mark('backward')
-                out.backward()
-                del out
-            peak, saved_bytes = tracker.peak, saved.bytes
-            fwd_peak, bwd_peak = tracker.phase_peak('forward'), tracker.phase_peak('backward')
+        tracker = LiveBytesTracker()
+        with tracker:
+            tracker.mark('forward')
+            with SavedTensorsCounter(tracker) as saved:
+                out = self.forward().sum()
+            tracker.mark('backward')
+            out.backward()
+            del out
+        peak, saved_bytes = tracker.peak, saved.bytes
+        fwd_peak, bwd_peak = tracker.phase_peak('forward'), tracker.phase_peak('backward')
         denormal = max(_denormal_fraction(leaf.grad) for leaf in self.leaves)
         self.reset()
         return {'peak': peak, 'fwd_peak': fwd_peak, 'bwd_peak': bwd_peak, 'saved': saved_bytes,
@@ -275,13 +255,13 @@ def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     prepare_losses()
-    FUSED_ENV = loss_module('mtp_loss').FUSED_ENV
 
-    def config(loss_type, chunk=chunk):
+    def config(loss_type, chunk=chunk, **fields):
         return TransformerConfig(
             num_layers=1, hidden_size=h, num_attention_heads=8, mtp_num_layers=G,
             tensor_model_parallel_size=tp, use_cpu_initialization=True,
             params_dtype=torch.float32, mtp_loss_type=loss_type, mtp_tv_chunk=chunk,
+            **fields,
         )
 
     ce_config = config('ce')
@@ -330,16 +310,16 @@ def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
     tv_config = config(tv_type)
     cases = {
         'ce': Case(run(ce_config), leaves),
-        tv_type: Case(run(tv_config), leaves, env={FUSED_ENV: '1'}),
-        f'{tv_type}-recompute': Case(run(tv_config), leaves, env={FUSED_ENV: '0'}),
+        tv_type: Case(run(tv_config), leaves),
+        f'{tv_type}-recompute': Case(run(config(tv_type, mtp_tv_backward='recompute')), leaves),
     }
     if main_logits is not None:  # the fallback: the loss projects its own target
-        cases[f'{tv_type}-own'] = Case(run(tv_config, False), leaves, env={FUSED_ENV: '1'})
+        cases[f'{tv_type}-own'] = Case(run(tv_config, False), leaves)
     if G == 1:
         for loss_type in EXTRA_MTP_TYPES:
-            cases[loss_type] = Case(run(config(loss_type)), leaves, env={FUSED_ENV: '1'})
+            cases[loss_type] = Case(run(config(loss_type)), leaves)
         if chunk != 0:  # mtp_tv_chunk=0 is the default: what a user who sets nothing gets
-            cases[f'{tv_type}-auto'] = Case(run(config(tv_type, 0)), leaves, env={FUSED_ENV: '1'})
+            cases[f'{tv_type}-auto'] = Case(run(config(tv_type, 0)), leaves)
     if impls is not None:
         cases = {name: case for name, case in cases.items() if name in impls}
     return cases
@@ -372,7 +352,6 @@ def step_cases(G: int, s: int, h: int, V: int, seed: int = 0,
     from mtp_tv_dev.models import build_gpt_with_mtp
 
     prepare_losses()
-    FUSED_ENV = loss_module('mtp_loss').FUSED_ENV
     if types is None:
         types = STEP_TYPES + (('e2e_tv',) if G > 1 else ())
     model = build_gpt_with_mtp(
@@ -411,5 +390,5 @@ def step_cases(G: int, s: int, h: int, V: int, seed: int = 0,
     leaves = [hidden] + [p for p in model.parameters() if p.requires_grad]
     cases = {'ce': Case(run('ce'), leaves)}
     for loss_type in types:
-        cases[loss_type] = Case(run(loss_type), leaves, env={FUSED_ENV: '1'})
+        cases[loss_type] = Case(run(loss_type), leaves)
     return cases
