@@ -4,7 +4,8 @@
   ``pip install -e .`` (``megatron`` is a namespace package: the checkout's ``megatron/mtp_tv`` and
   site-packages' ``megatron/core`` combine).
 * megatron-core's CPU-irrelevant warnings are silenced (see ``quiet_megatron_warnings``).
-* Every test starts and ends without megatron parallel state, MTP logging tracker contents, a
+* Every test starts and ends with the environment variables it started with, and without
+  megatron parallel state, MTP logging tracker contents, a
   leftover process group or the CPU shims applied, whatever the previous test did.
 * Fixture ``megatron_cpu``: the body of the test runs inside ``single_process()`` (gloo world of
   one, TP=CP=1, CPU shims, seeded).
@@ -13,6 +14,7 @@ Multi-process tests: ``mtp_tv_dev.distributed.spawn(fn, world_size, *args, tp=, 
 with ``fn`` a module-level function of the test module (it is pickled by name).
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -55,7 +57,10 @@ def _reset_if_megatron_loaded():
 @pytest.fixture(autouse=True)
 def _clean_megatron_state():
     _reset_if_megatron_loaded()
+    environ = dict(os.environ)  # Megatron's parse_args sets NVTE_* variables a later model reads
     yield
+    os.environ.clear()
+    os.environ.update(environ)
     _reset_if_megatron_loaded()
 
 

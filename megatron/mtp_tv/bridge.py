@@ -8,8 +8,9 @@ copies a fixed list of arguments onto it (parallelism, recompute, fp8, ...) and 
 package's. Two functions close that gap; neither imports Megatron or Megatron-Bridge (they look
 in ``sys.modules``), so both cost nothing where neither is in use.
 
-* :func:`carry_to_bridge_provider` runs in ``TransformerConfig.__post_init__`` (through
-  :func:`~.config.validate_mtp_loss_config`), which a Bridge provider runs in ``finalize()``.
+* :func:`carry_to_bridge_provider` runs in ``TransformerConfig.__post_init__`` (the plugin's
+  hook, the patched source), before :func:`~.config.validate_mtp_loss_config`; a Bridge provider
+  runs ``__post_init__`` in ``finalize()``.
   When the config is a Megatron-Bridge provider and Megatron's global arguments are set
   (``megatron.training.global_vars.set_args``, which ``initialize_megatron`` and miles' ``init``
   call), every field of :class:`~.config.MTPLossConfig` that the arguments hold with a value

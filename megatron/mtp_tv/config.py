@@ -118,9 +118,9 @@ def validate_mtp_loss_config(config) -> None:
     """Validate the MTP loss fields of a ``TransformerConfig``.
 
     Runs in ``TransformerConfig.__post_init__`` (a Megatron-Bridge provider runs that in
-    ``finalize()``) and again at every MTP loss (fields assigned after construction skip
-    ``__post_init__``). A Megatron-Bridge provider first takes the fields Megatron's parsed
-    arguments ask for (:func:`.bridge.carry_to_bridge_provider`; nothing otherwise).
+    ``finalize()``; there :func:`.bridge.carry_to_bridge_provider` runs first) and again at every
+    MTP loss (fields assigned after construction skip ``__post_init__``). Reads the config and
+    changes nothing.
 
     Args:
         config: a ``TransformerConfig`` (or anything with the fields of :class:`MTPLossConfig`
@@ -129,9 +129,6 @@ def validate_mtp_loss_config(config) -> None:
     Raises:
         ValueError: naming the bad value and what is allowed.
     """
-    from .bridge import carry_to_bridge_provider  # here: .bridge imports this module
-
-    carry_to_bridge_provider(config)
     loss_type = getattr(config, 'mtp_loss_type', 'ce')
     if loss_type not in MTP_LOSS_TYPES:
         raise ValueError(

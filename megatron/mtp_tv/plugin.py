@@ -267,10 +267,13 @@ def _reprocess_dataclass(cls: type) -> None:
 
 
 def _validate_in_post_init(base: type) -> None:
+    from .bridge import carry_to_bridge_provider
+
     original: Callable = base.__post_init__
 
     def __post_init__(self):
         original(self)
+        carry_to_bridge_provider(self)  # a Megatron-Bridge provider takes the parsed arguments' fields
         _config.validate_mtp_loss_config(self)
 
     __post_init__.__wrapped__ = original

@@ -16,7 +16,7 @@ time, written into the source so the feature is native there):
 * ``transformer_config.py``: the annotated fields between ``# BEGIN MTP_TV FIELDS`` and
   ``# END MTP_TV FIELDS`` of ``megatron/mtp_tv/config.py``, copied verbatim (docstrings included,
   so the tree's ``ArgumentGroupFactory`` makes ``--mtp-loss-type`` & co.) after the tree's last
-  ``mtp_*`` field, and ``validate_mtp_loss_config(self)`` at the end of ``__post_init__``;
+  ``mtp_*`` field, and ``carry_to_bridge_provider(self)`` and ``validate_mtp_loss_config(self)`` at the end of ``__post_init__``;
 * ``multi_token_prediction.py``: ``process_mtp_loss`` (where the tree has one) hands every loss
   type but ``'ce'`` (alias ``'cross_entropy'``, upstream's name) to ``process_mtp_tv_loss`` and
   keeps its own code for those;

@@ -25,13 +25,18 @@ def snippet_fields() -> List[str]:
 
 
 def snippet_config_import() -> List[str]:
-    return [f'from {TARGET_MODULE}.config import validate_mtp_loss_config']
+    return [
+        f'from {TARGET_MODULE}.bridge import carry_to_bridge_provider',
+        f'from {TARGET_MODULE}.config import validate_mtp_loss_config',
+    ]
 
 
 def snippet_validate() -> List[str]:
     return [
         '',
-        '        # MTP loss settings (the mtp_tv fields above).',
+        '        # MTP loss settings (the mtp_tv fields above): a Megatron-Bridge provider first takes',
+        "        # the ones Megatron's parsed arguments ask for (mtp_tv/bridge.py).",
+        '        carry_to_bridge_provider(self)',
         '        validate_mtp_loss_config(self)',
     ]
 
