@@ -22,7 +22,7 @@ sys.path.insert(0, TOOLS)
 
 from lossbench.memory import LiveBytesTracker, SavedTensorsCounter, linear_fit  # noqa: E402
 from lossbench.report import apply_targets, products_floor, step_products  # noqa: E402
-from lossbench.runs import paired_ratio  # noqa: E402
+from lossbench.timing import paired_ratio  # noqa: E402
 from lossbench import report as report_module  # noqa: E402
 
 #: Every row group, as the quick run below selects them.
@@ -347,31 +347,32 @@ def test_report_option_rerenders_a_saved_run_without_measuring(quick_report, tmp
     assert 'median over rounds' not in proc.stdout
 
 
-def test_row_ops_benchmark_times_each_choice_beside_its_alternatives(capsys):
+def test_row_ops_benchmark_times_each_choice_against_its_baseline(capsys):
     spec = importlib.util.spec_from_file_location('bench_row_ops', os.path.join(TOOLS, 'bench_row_ops.py'))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    from megatron.mtp_tv import row_ops
     from megatron.mtp_tv.row_ops import TorchRowOps
 
     default = TorchRowOps.BLOCK_ELEMENTS
     bench.main(['--tokens', '8', '--vocab', '1024', '--repeats', '1', '--blocks', '10,12'])
-    rows, profiles = bench.time_mtp_path(16, 1, hidden=32, vocab=256, chunk=4, profile=True, blocks=[8])
-    assert [name for name, _ in rows] == ["'ce'", "'tv'", "'tv', earlier row passes", "'tv', 2^8-value blocks"]
+    ops = bench.row_ops_with_blocks(1 << 10)  # a subclass: the product's class is untouched
+    assert isinstance(ops, TorchRowOps) and ops.BLOCK_ELEMENTS == 1 << 10
+    rows, profiles = bench.time_mtp_path(16, 1, hidden=32, vocab=256, chunk=4, profile=True)
+    assert [name for name, _, _ in rows] == ["'ce'", "'tv'"] and rows[0][2] == 1.0
     for case in ('ce', 'tv'):  # every case multiplies matrices; the rows add up to the total
         seconds = profiles[case]
         assert seconds['matrix products'] > 0
         parts = sum(v for k, v in seconds.items() if k != 'total')
         assert abs(parts - seconds['total']) <= 1e-9 + 1e-6 * seconds['total']
     out = capsys.readouterr().out
-    from megatron.mtp_tv import row_ops
-
-    assert TorchRowOps.BLOCK_ELEMENTS == default  # restored after timing the candidates
+    assert TorchRowOps.BLOCK_ELEMENTS == default  # never set by the tool
     assert row_ops.row_max_argmax.__module__ == 'megatron.mtp_tv.row_ops'
-    assert '| 2^10 | ' in out and '| 2^12 | ' in out
-    assert '| dot product | mul + sum | ' in out and '| softmax | normalise_: sub, exp, sum, div | ' in out
-    assert '| target rows from main logits | normalise_(source=) | ' in out
+    exponent = default.bit_length() - 1
+    assert f'| 2^{exponent} (default) | ' in out and '| 2^10 | ' in out and '| 2^12 | ' in out
     for variant in ('torch.max(z, -1)', 'row_max_argmax', 'torch.amax (no index)'):
         assert f'| {variant} | ' in out
+    assert 'not adopted' not in out
 
     core = max(os.sched_getaffinity(0))
     for kind in ('memory', 'cpu'):

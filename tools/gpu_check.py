@@ -1,9 +1,12 @@
 """One-shot GPU check: correctness on CUDA, then the bf16 benchmark with TFLOP/s.
 
 Made for a short lease on one GPU (an H200 here): one command, a few minutes, everything
-written to ``--out``. It needs only torch (+ Triton for the kernels); with megatron-core
-importable the CE baseline is Megatron's ``vocab_parallel_cross_entropy``, otherwise torch's
-``cross_entropy`` on the same fp32 logits (cheaper than Megatron's, so a stricter baseline).
+written to ``--out``. It needs only torch (+ Triton for the kernels). Timing and the CE
+baseline are the CPU benchmark's own (``tools/lossbench``): :func:`lossbench.timing.time_interleaved`
+(interleaved rounds after warm-up, CUDA events, medians, each case's ratio to CE's run of the
+same round) and :func:`lossbench.cases.ce_baseline` (the matmul, then Megatron's
+``vocab_parallel_cross_entropy`` with megatron-core importable, otherwise torch's
+``cross_entropy`` on the same fp32 logits: cheaper than Megatron's, so a stricter baseline).
 
 1. **Correctness** (fp32, Triton row kernels required): ``linear_tv_loss`` against the
    independent full-vocabulary reference of ``mtp_tv_dev/reference.py`` (float64, CPU) for ``'tv'``,
@@ -13,8 +16,8 @@ importable the CE baseline is Megatron's ``vocab_parallel_cross_entropy``, other
 2. **Benchmark** (bf16 inputs and weight, fp32 loss math): per-depth TV fused / recompute against
    linear + CE on the same tensors (and fused ``'kl'`` / ``'lk'`` / ``'nla'``), the products-only
    floor of each side, and ``'e2e_tv'`` with 3 depths against 3 CE depths; CUDA-event medians,
-   peak extra memory, and achieved TFLOP/s of each against a large bf16 GEMM measured in the same
-   run (the practical roofline).
+   the median per-round ratio to CE, peak extra memory, and achieved TFLOP/s of each against a
+   large bf16 GEMM measured in the same run (the practical roofline).
 
     python3 tools/gpu_check.py --out "$OUT"            # on the GPU machine
     python3 tools/gpu_check.py --device cpu --quick    # dry run of the same code on CPU
@@ -28,7 +31,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import torch
 
@@ -38,7 +41,8 @@ for _p in (_HERE, _ROOT):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from lossbench.cases import _CEProducts, _TVProducts  # noqa: E402
+from lossbench.cases import _CEProducts, _TVProducts, ce_baseline  # noqa: E402
+from lossbench.timing import peak_extra_bytes, summarise, time_interleaved  # noqa: E402
 from megatron.mtp_tv.linear_tv import linear_tv_loss  # noqa: E402
 from megatron.mtp_tv.losses import LOSSES  # noqa: E402
 from megatron.mtp_tv.row_ops import TRITON_ENV, TorchRowOps, TritonRowOps, select_row_ops  # noqa: E402
@@ -144,77 +148,36 @@ def check_bf16(device: str, quick: bool) -> List[dict]:
 # ------------------------------------------------------------------------------------------------
 # Benchmark
 # ------------------------------------------------------------------------------------------------
-class Timer:
-    """Median wall time of ``fn`` in seconds (CUDA events on a GPU) and its peak extra memory."""
-
-    def __init__(self, device: str):
-        self.cuda = device.startswith('cuda')
-
-    def __call__(self, fn: Callable[[], None], warmup: int, repeats: int):
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(repeats):
-            if self.cuda:
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                start.record()
-                fn()
-                stop.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(stop) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        peak = None
-        if self.cuda:
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            fn()
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() - base
-        return statistics.median(times), times, peak
-
-
-def _ce_loss_fn():
-    """Megatron's vocab-parallel CE on a world of one, else torch's CE (the fallback is cheaper)."""
-    try:
-        import torch.distributed as dist
-        from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-
-        if not dist.is_initialized():
-            backend = 'nccl' if torch.cuda.is_available() else 'gloo'
-            # A world of one needs no rendezvous: an in-process store, so no port another
-            # process on the machine may hold (a fixed TCP port made parallel runs fail).
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        group = dist.group.WORLD
-
-        def ce(logits, labels):
-            return vocab_parallel_cross_entropy(logits, labels, tp_group=group)
-        return ce, 'megatron vocab_parallel_cross_entropy'
-    except ImportError:
-        def ce(logits, labels):
-            return torch.nn.functional.cross_entropy(
-                logits.float().flatten(0, -2), labels.flatten(), reduction='none').view(labels.shape)
-        return ce, 'torch cross_entropy (megatron-core not importable)'
-
-
-def gemm_roofline(device: str, dtype: torch.dtype, quick: bool, timer: Timer) -> float:
+def gemm_roofline(device: str, dtype: torch.dtype, quick: bool) -> float:
     """TFLOP/s of one large square GEMM in ``dtype``: what this device's matrix units deliver."""
     n = 512 if quick else 8192
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    t, _, _ = timer(lambda: a @ b, warmup=3, repeats=10)
-    return 2 * n ** 3 / t / 1e12
+    times = time_interleaved({'gemm': lambda: a @ b}, repeats=10, warmup=3, device=device)
+    return 2 * n ** 3 / statistics.median(times['gemm']) / 1e12
+
+
+def _timed_rows(cases: Dict[str, tuple], baseline: str, device: str, warmup: int, repeats: int,
+                roofline: float, **fields) -> List[dict]:
+    """``cases`` (name: (run, flops)) timed in interleaved rounds against ``baseline``, then one
+    untimed run each for the peak memory; one report row per case."""
+    stats = summarise(time_interleaved({name: run for name, (run, _) in cases.items()},
+                                       repeats, warmup, device), baseline)
+    rows = []
+    for name, (run, flops) in cases.items():
+        t = stats[name]['time']
+        rows.append({**fields, 'case': name, 'time_s': t, 'times_s': stats[name]['times'],
+                     'ratio_vs_ce': stats[name]['ratio'],
+                     'ratio_of_medians': stats[name]['ratio_of_medians'],
+                     'peak_extra_bytes': peak_extra_bytes(run, device),
+                     'tflops': flops / t / 1e12, 'of_roofline': flops / t / 1e12 / roofline})
+    return rows
 
 
 def bench(device: str, dtype: torch.dtype, seqs: List[int], hidden: int, vocab: int,
           chunks: List[int], e2e_depth: int, warmup: int, repeats: int, quick: bool) -> dict:
-    timer = Timer(device)
-    ce_loss, ce_name = _ce_loss_fn()
-    roofline = gemm_roofline(device, dtype, quick, timer)
+    ce_loss, ce_name = ce_baseline()
+    roofline = gemm_roofline(device, dtype, quick)
     rows = []
     for s in seqs:
         g = torch.Generator().manual_seed(s)
@@ -229,8 +192,7 @@ def bench(device: str, dtype: torch.dtype, seqs: List[int], hidden: int, vocab: 
 
         def ce():
             clear()
-            logits = x @ weight.t()
-            (ce_loss(logits, labels).sum() / s).backward()
+            (ce_loss(x, weight, labels).sum() / s).backward()
 
         def tv(chunk, fused, loss_type='tv'):
             def run():
@@ -258,13 +220,7 @@ def bench(device: str, dtype: torch.dtype, seqs: List[int], hidden: int, vocab: 
             cases[f'tv-products chunk {chunk}'] = (
                 products(lambda c=chunk: _TVProducts.apply(x.view(s, hidden), y.view(s, hidden), weight, c)),
                 tv_flops)
-        base = None
-        for name, (fn, flops) in cases.items():
-            t, times, peak = timer(fn, warmup, repeats)
-            base = t if name == 'ce' else base
-            rows.append({'seq': s, 'case': name, 'G': 1, 'time_s': t, 'times_s': times,
-                         'ratio_vs_ce': t / base, 'peak_extra_bytes': peak,
-                         'tflops': flops / t / 1e12, 'of_roofline': flops / t / 1e12 / roofline})
+        rows += _timed_rows(cases, 'ce', device, warmup, repeats, roofline, seq=s, G=1)
         clear()
 
     # 'e2e_tv' with G depths against G CE depths, at the first sequence length.
@@ -278,7 +234,7 @@ def bench(device: str, dtype: torch.dtype, seqs: List[int], hidden: int, vocab: 
 
     def ce_depths():
         drafts.grad = weight.grad = None
-        loss = sum(ce_loss(drafts[k] @ weight.t(), labels).sum() / s for k in range(G))
+        loss = sum(ce_loss(drafts[k], weight, labels).sum() / s for k in range(G))
         loss.backward()
 
     def e2e(chunk):
@@ -287,15 +243,10 @@ def bench(device: str, dtype: torch.dtype, seqs: List[int], hidden: int, vocab: 
             linear_tv_loss(drafts, y, weight, w_e2e, 'e2e_tv', chunk_size=chunk).loss.backward()
         return run
 
-    base, _, peak = timer(ce_depths, warmup, repeats)
-    rows.append({'seq': s, 'case': f'ce x{G}', 'G': G, 'time_s': base, 'ratio_vs_ce': 1.0,
-                 'peak_extra_bytes': peak, 'tflops': G * 6 * s * hidden * vocab / base / 1e12})
+    cases = {f'ce x{G}': (ce_depths, G * 6 * s * hidden * vocab)}
     for chunk in chunks:
-        t, times, peak = timer(e2e(chunk), warmup, repeats)
-        flops = 2 * hidden * vocab * (s + 3 * G * s)
-        rows.append({'seq': s, 'case': f'e2e_tv chunk {chunk}', 'G': G, 'time_s': t,
-                     'times_s': times, 'ratio_vs_ce': t / base, 'peak_extra_bytes': peak,
-                     'tflops': flops / t / 1e12, 'of_roofline': flops / t / 1e12 / roofline})
+        cases[f'e2e_tv chunk {chunk}'] = (e2e(chunk), 2 * hidden * vocab * (s + 3 * G * s))
+    rows += _timed_rows(cases, f'ce x{G}', device, warmup, repeats, roofline, seq=s, G=G)
     return {'ce_baseline': ce_name, 'gemm_roofline_tflops': roofline, 'rows': rows}
 
 
@@ -314,7 +265,8 @@ def render(report: dict) -> str:
                   f"{report['dtype']} inputs and weight, fp32 loss math; hidden {report['hidden']}, "
                   f"vocab {report['vocab']}, batch 1; CE baseline: {b['ce_baseline']}; "
                   f"GEMM roofline (8192^3 {report['dtype']} product, same run): "
-                  f"{b['gemm_roofline_tflops']:.0f} TFLOP/s", '',
+                  f"{b['gemm_roofline_tflops']:.0f} TFLOP/s; vs CE: the median over rounds of "
+                  "each round's ratio to CE's run", '',
                   '| seq | G | case | time (ms) | vs CE | peak extra MiB | TFLOP/s | of roofline |',
                   '|---|---|---|---|---|---|---|---|']
         for r in b['rows']:

@@ -32,7 +32,9 @@ TV <= 1.35x, any mode <= 2.5x; ``mtp`` 'tv' / 'kl' / 'lk' <= 1.10x at 4096 and 8
 ``tp`` ratio <= 1.25x the TP=1 ratio; ``step`` <= 1.03x and peak <= CE's; ``wide`` peak <= CE's.
 
 Modules (imports go down this list): :mod:`~lossbench.memory` (the CPU memory instruments),
-:mod:`~lossbench.cases` (what is measured), :mod:`~lossbench.timing` (interleaved timing and the
+:mod:`~lossbench.cases` (what is measured, and the CE baseline of every benchmark,
+:func:`~lossbench.cases.ce_baseline`), :mod:`~lossbench.timing` (the timing harness of every
+benchmark, CPU and CUDA, ``tools/gpu_check.py`` and ``tools/bench_row_ops.py`` included, and the
 memory run), :mod:`~lossbench.runs` (each row group, TP=2 in gloo processes),
 :mod:`~lossbench.report` (targets, summaries, the Markdown table), :mod:`~lossbench.cli` (the
 command line of ``tools/bench_loss.py``).

@@ -127,10 +127,48 @@ def _denormal_fraction(grad: Optional[torch.Tensor]) -> float:
     return float(((g < tiny) & (g > 0)).float().mean())
 
 
+def ce_baseline(tp_group=None):
+    """The CE baseline of every benchmark: ``(ce, name)``, ``ce(hidden, weight, labels)`` the
+    per-token loss of ``logits = hidden @ weight^T`` (``[..., V/tp]``) under Megatron's
+    ``vocab_parallel_cross_entropy``, or, when megatron-core is not importable (a bare GPU
+    machine), torch's ``cross_entropy`` on the same logits in fp32 (cheaper than Megatron's, so a
+    stricter baseline).
+
+    ``tp_group``: the vocabulary's group; None takes Megatron's tensor-parallel group when its
+    parallel state is initialised (``single_process()``), else the world, a world of one made
+    here if there is none (an in-process store: no port another process on the machine may hold).
+    """
+    try:
+        import torch.distributed as dist
+        from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+    except ImportError:
+        if tp_group is not None:
+            raise
+
+        def torch_ce(hidden, weight, labels):
+            logits = torch.matmul(hidden, weight.t())
+            return torch.nn.functional.cross_entropy(
+                logits.float().flatten(0, -2), labels.flatten(), reduction='none').view(labels.shape)
+        return torch_ce, 'torch cross_entropy (megatron-core not importable)'
+
+    if tp_group is None:
+        from megatron.core import parallel_state
+
+        if not dist.is_initialized():
+            backend = 'nccl' if torch.cuda.is_available() else 'gloo'
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        if not parallel_state.model_parallel_is_initialized():
+            tp_group = dist.group.WORLD
+
+    def megatron_ce(hidden, weight, labels):
+        logits = torch.matmul(hidden, weight.t())
+        return vocab_parallel_cross_entropy(logits, labels, tp_group=tp_group)
+    return megatron_ce, 'megatron vocab_parallel_cross_entropy'
+
+
 def loss_cases(s: int, h: int, V: int, chunk: int, tp_group, tp_rank: int, tp: int,
                seed: int = 0) -> Dict[str, Case]:
-    """Per-depth loss on one depth: CE (matmul + vocab_parallel_cross_entropy) vs TV."""
-    from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+    """Per-depth loss on one depth: CE (:func:`ce_baseline`) vs TV."""
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     linear_tv_loss = loss_module('linear_tv').linear_tv_loss
@@ -151,9 +189,10 @@ def loss_cases(s: int, h: int, V: int, chunk: int, tp_group, tp_rank: int, tp: i
     def into_tp(x):
         return copy_to_tensor_model_parallel_region(x, tp_group) if tp > 1 else x
 
+    ce_loss, _ = ce_baseline(tp_group)
+
     def ce():
-        logits = torch.matmul(into_tp(hidden), weight.t())
-        return vocab_parallel_cross_entropy(logits, labels, tp_group=tp_group) * ce_weights
+        return ce_loss(into_tp(hidden), weight, labels) * ce_weights
 
     def tv(fused):
         def run():

@@ -5,7 +5,6 @@ time kept).
 
 import argparse
 import os
-import statistics
 import time
 from typing import Dict, List, Optional
 
@@ -14,7 +13,7 @@ import torch
 from .cases import (LOGIT_STD, WIDE_IMPLS, auto_chunk, loss_cases, loss_mode, mtp_cases,
                     step_cases, tv_target_source)
 from .memory import MiB
-from .timing import measure
+from .timing import measure, paired_ratio
 
 
 def cpu_count() -> int:
@@ -22,20 +21,6 @@ def cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-
-def paired_ratio(times: List[float], baseline: List[float]) -> float:
-    """Median over rounds of ``times[i] / baseline[i]``.
-
-    The cases of a shape run interleaved, one round after another, so a case's run and CE's run
-    of the same round lie seconds apart, and a slowdown of the machine that lasts longer than a
-    round slows both: the per-round ratio cancels it, where a ratio of medians compares runs
-    minutes apart.
-    """
-    if len(times) != len(baseline) or not times:
-        raise ValueError(f'{len(times)} timed runs against {len(baseline)} of the baseline.')
-    return statistics.median(t / b for t, b in zip(times, baseline))
 
 
 def _rows(group: str, seq: int, tp: int, G: int, results: Dict[str, dict], tokens: int,
