@@ -9,6 +9,7 @@ import torch
 
 import megatron.mtp_tv
 from megatron.mtp_tv.config import MTP_LOSS_TYPES
+from megatron.mtp_tv.row_ops import ROW_KERNELS
 from megatron.mtp_tv.plugin import field_docstrings
 
 megatron.mtp_tv.install()
@@ -96,6 +97,7 @@ def test_flags_come_from_megatrons_argument_factory_with_help():
         assert actions[name].type is float
     assert tuple(actions['mtp_tv_target'].choices) == ('main_logits', 'projection')
     assert tuple(actions['mtp_tv_backward'].choices) == ('fused', 'recompute')
+    assert tuple(actions['mtp_tv_kernels'].choices) == ROW_KERNELS  # the row ops' own list
     for name in (f.name for f in dataclasses.fields(megatron.mtp_tv.MTPLossConfig)):
         assert actions[name].help == ' '.join(docs[name].split()) and len(docs[name]) > 40
 
@@ -109,11 +111,12 @@ def test_parse_args_round_trip_into_transformer_config(monkeypatch):
         '--no-rope-fusion', '--mtp-num-layers', '2', '--mtp-loss-type', 'e2e_tv',
         '--mtp-tv-chunk', '64', '--mtp-log-acceptance', '--mtp-tv-temperature', '0.7',
         '--mtp-lk-eta', '2.5', '--mtp-tv-target', 'projection', '--mtp-tv-backward', 'recompute',
+        '--mtp-tv-kernels', 'torch',
     ])
     args = parse_args()
     fields = ('mtp_loss_type', 'mtp_tv_chunk', 'mtp_log_acceptance', 'mtp_tv_temperature', 'mtp_lk_eta',
-              'mtp_tv_target', 'mtp_tv_backward')
-    expected = ('e2e_tv', 64, True, 0.7, 2.5, 'projection', 'recompute')
+              'mtp_tv_target', 'mtp_tv_backward', 'mtp_tv_kernels')
+    expected = ('e2e_tv', 64, True, 0.7, 2.5, 'projection', 'recompute', 'torch')
     assert tuple(getattr(args, f) for f in fields) == expected
     args.params_dtype = torch.float32
     config = core_transformer_config_from_args(args)
@@ -142,6 +145,7 @@ def test_cli_rejects_unknown_loss_type(monkeypatch, capsys):
 
 @pytest.mark.parametrize('env,field', [
     ('MEGATRON_MTP_TV_MAIN_LOGITS', 'mtp_tv_target'), ('MEGATRON_MTP_TV_FUSED', 'mtp_tv_backward'),
+    ('MEGATRON_MTP_TV_TRITON', 'mtp_tv_kernels'),
 ])
 def test_an_environment_knob_of_earlier_versions_is_an_error_naming_its_field(monkeypatch, env, field):
     monkeypatch.setenv(env, '0')

@@ -192,3 +192,14 @@ def test_main_logits_given_to_process_mtp_tv_loss_replace_the_projection():
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-8)
     with pytest.raises(ValueError, match='main logits with 63 vocabulary entries'):
         process_mtp_tv_loss(hidden_states=hidden, main_logits=torch.zeros(SEQ, BATCH, VOCAB - 1), **kwargs)
+
+
+def test_the_kernels_field_reaches_the_sweep(monkeypatch):
+    """mtp_tv_kernels='triton' on a CPU without Triton's interpreter: the error names why, so the
+    field is what the loss's sweep used (not a silent torch fallback)."""
+    monkeypatch.delenv('TRITON_INTERPRET', raising=False)
+    model = _model('tv', depth=1, mtp_tv_kernels='triton')
+    with pytest.raises(RuntimeError, match="mtp_tv_kernels='triton' but the Triton kernel cannot run"):
+        _step(model)
+    model.config.mtp_tv_kernels = 'torch'
+    _step(model)

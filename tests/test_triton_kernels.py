@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.mtp_tv.row_ops import TRITON_ENV, TorchRowOps, select_row_ops
+from megatron.mtp_tv.row_ops import TorchRowOps, TritonRowOps, select_row_ops
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,11 +68,12 @@ def test_kernels_match_torch_row_ops_over_several_vocab_tiles():
 def test_reference_cases_through_the_kernels(test_file):
     """The cases of ``test_file`` marked ``triton_slice`` (every loss, chunking, fused and
     recompute, logit functions, greedy counts, empty shards, 'nla' at alpha ~ 0 and at one-hot
-    targets), run with the Triton kernels required (``MEGATRON_MTP_TV_TRITON=1``)."""
+    targets), run where ``kernels='auto'`` takes the Triton kernels: under the interpreter, every
+    sweep's fp32 logits qualify (``test_dispatch_says_why_the_kernel_is_not_used``)."""
     proc = subprocess.run(
         [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-m', 'triton_slice',
          str(ROOT / 'tests' / test_file)],
-        env={**os.environ, 'TRITON_INTERPRET': '1', TRITON_ENV: '1', 'PYTHONPATH': str(ROOT)},
+        env={**os.environ, 'TRITON_INTERPRET': '1', 'PYTHONPATH': str(ROOT)},
         capture_output=True, text=True, timeout=900, cwd=ROOT,
     )
     # pytest exits 5 when the marker selected nothing: that fails here too.
@@ -81,18 +82,14 @@ def test_reference_cases_through_the_kernels(test_file):
 
 def test_dispatch_says_why_the_kernel_is_not_used(monkeypatch):
     monkeypatch.delenv('TRITON_INTERPRET', raising=False)
-    monkeypatch.delenv(TRITON_ENV, raising=False)
     ops, reason = select_row_ops(torch.zeros(2, 3))
     assert isinstance(ops, TorchRowOps) and 'cpu' in reason and 'CUDA' in reason
+    with pytest.raises(RuntimeError, match="mtp_tv_kernels='triton' but the Triton kernel cannot run"):
+        select_row_ops(torch.zeros(2, 3), 'triton')
     monkeypatch.setenv('TRITON_INTERPRET', '1')
+    assert isinstance(select_row_ops(torch.zeros(2, 3))[0], TritonRowOps)  # what the sweeps get
     ops, reason = select_row_ops(torch.zeros(2, 3, dtype=torch.bfloat16))
     assert isinstance(ops, TorchRowOps) and 'bfloat16' in reason
-    monkeypatch.setenv(TRITON_ENV, '0')
-    assert select_row_ops(torch.zeros(2, 3))[1] == f'disabled by {TRITON_ENV}=0'
-    monkeypatch.setenv(TRITON_ENV, '1')
-    monkeypatch.delenv('TRITON_INTERPRET')
-    with pytest.raises(RuntimeError, match='cannot run'):
-        select_row_ops(torch.zeros(2, 3))
-    monkeypatch.setenv(TRITON_ENV, 'yes')
+    assert select_row_ops(torch.zeros(2, 3), 'torch')[1] == "mtp_tv_kernels='torch'"
     with pytest.raises(ValueError, match="'yes'"):
-        select_row_ops(torch.zeros(2, 3))
+        select_row_ops(torch.zeros(2, 3), 'yes')

@@ -45,8 +45,14 @@ from lossbench.cases import _CEProducts, _TVProducts, ce_baseline  # noqa: E402
 from lossbench.timing import peak_extra_bytes, summarise, time_interleaved  # noqa: E402
 from megatron.mtp_tv.linear_tv import linear_tv_loss  # noqa: E402
 from megatron.mtp_tv.losses import LOSSES  # noqa: E402
-from megatron.mtp_tv.row_ops import TRITON_ENV, TorchRowOps, TritonRowOps, select_row_ops  # noqa: E402
+from megatron.mtp_tv.row_ops import TorchRowOps, TritonRowOps, select_row_ops  # noqa: E402
 from mtp_tv_dev.reference import depth_terms, objective, token_weights  # noqa: E402
+
+
+def kernels_for(device: str) -> str:
+    """The row kernels every loss call here uses: Triton required on CUDA (the check is about the
+    kernels: never a silent fallback to torch), the default elsewhere (the CPU dry run)."""
+    return 'triton' if str(device).startswith('cuda') else 'auto'
 
 
 # ------------------------------------------------------------------------------------------------
@@ -77,7 +83,7 @@ def check_against_reference(device: str, quick: bool) -> List[dict]:
                     out = linear_tv_loss(d, target.float().to(device), w,
                                          token_weights(loss_type, masks).float().to(device),
                                          loss_type=loss_type, chunk_size=chunk, fused=fused,
-                                         temperature=temperature)
+                                         temperature=temperature, kernels=kernels_for(device))
                     out.loss.backward()
                     errs = {
                         'loss': abs(out.loss.item() - ref.item()),
@@ -135,7 +141,8 @@ def check_bf16(device: str, quick: bool) -> List[dict]:
     for dtype in (torch.float32, torch.bfloat16):
         d = draft.to(device, dtype, copy=True).requires_grad_()
         wt = weight.to(device, dtype, copy=True).requires_grad_()
-        res = linear_tv_loss(d, target.to(device, dtype), wt, w.to(device), 'e2e_tv', chunk_size=64)
+        res = linear_tv_loss(d, target.to(device, dtype), wt, w.to(device), 'e2e_tv', chunk_size=64,
+                             kernels=kernels_for(device))
         res.loss.backward()
         out[dtype] = (res.loss.item(), torch.isfinite(d.grad).all().item(),
                       torch.isfinite(wt.grad).all().item())
@@ -198,7 +205,7 @@ def bench(device: str, dtype: torch.dtype, seqs: List[int], hidden: int, vocab: 
             def run():
                 clear()
                 linear_tv_loss(x.unsqueeze(0), y, weight, w_tv, loss_type, chunk_size=chunk,
-                               fused=fused).loss.backward()
+                               fused=fused, kernels=kernels_for(device)).loss.backward()
             return run
 
         def products(fn):
@@ -240,7 +247,8 @@ def bench(device: str, dtype: torch.dtype, seqs: List[int], hidden: int, vocab: 
     def e2e(chunk):
         def run():
             drafts.grad = weight.grad = None
-            linear_tv_loss(drafts, y, weight, w_e2e, 'e2e_tv', chunk_size=chunk).loss.backward()
+            linear_tv_loss(drafts, y, weight, w_e2e, 'e2e_tv', chunk_size=chunk,
+                           kernels=kernels_for(device)).loss.backward()
         return run
 
     cases = {f'ce x{G}': (ce_depths, G * 6 * s * hidden * vocab)}
@@ -303,9 +311,7 @@ def main(argv=None) -> int:
     if args.device.startswith('cuda') and not torch.cuda.is_available():
         print('gpu_check: torch sees no CUDA device', file=sys.stderr)
         return 2
-    if args.device.startswith('cuda'):
-        os.environ.setdefault(TRITON_ENV, '1')  # the check is about the kernels: never fall back
-    ops, reason = select_row_ops(torch.zeros(1, 1, device=args.device))
+    ops, reason = select_row_ops(torch.zeros(1, 1, device=args.device), kernels_for(args.device))
     try:
         import triton
         triton_version = triton.__version__

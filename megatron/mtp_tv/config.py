@@ -89,6 +89,11 @@ class MTPLossConfig:
     'recompute': keep only the inputs and run the chunked loss again in backward (the projections
     twice, slower; the same numbers up to the order of summation, for debugging)."""
 
+    mtp_tv_kernels: Literal['auto', 'torch', 'triton'] = 'auto'
+    """Row kernels of every loss but 'ce' (softmax, overlap, KL and logit gradient of each row over
+    the vocabulary). 'auto' (default): the Triton kernels on CUDA fp32 logits, torch elsewhere;
+    'torch': always torch; 'triton': require Triton (an error naming why it cannot run)."""
+
     mtp_log_acceptance: bool = False
     """Log the expected rejection-sampling acceptance (per-depth mean alpha, the expected
     accepted draft tokens per verify step, greedy agreement with the main model) with
@@ -99,7 +104,8 @@ class MTPLossConfig:
 
 #: The choices of the ``Literal`` fields other than ``mtp_loss_type``, read from their annotations.
 _CHOICES = {
-    name: get_args(MTPLossConfig.__annotations__[name]) for name in ('mtp_tv_target', 'mtp_tv_backward')
+    name: get_args(MTPLossConfig.__annotations__[name])
+    for name in ('mtp_tv_target', 'mtp_tv_backward', 'mtp_tv_kernels')
 }
 
 #: Environment variables earlier versions read on every call, and the fields that replace them: a
@@ -107,6 +113,7 @@ _CHOICES = {
 _REPLACED_ENV = {
     'MEGATRON_MTP_TV_MAIN_LOGITS': 'mtp_tv_target',
     'MEGATRON_MTP_TV_FUSED': 'mtp_tv_backward',
+    'MEGATRON_MTP_TV_TRITON': 'mtp_tv_kernels',
 }
 
 
@@ -153,7 +160,7 @@ def validate_mtp_loss_config(config) -> None:
                 loss(**{arg: value})
             except ValueError as error:
                 raise ValueError(f"{field}={value!r} is invalid; {error}") from None
-    for name in ('mtp_tv_target', 'mtp_tv_backward'):
+    for name in _CHOICES:
         value = getattr(config, name, _CHOICES[name][0])
         if value not in _CHOICES[name]:
             raise ValueError(f"{name}={value!r} is not supported; choose one of {list(_CHOICES[name])}.")

@@ -64,6 +64,7 @@ import torch
 
 from .losses import DraftLoss, make_loss
 from .products import Products
+from .row_ops import ROW_KERNELS, RowKernels
 from .sweep import DenseGradients, StoredLogitGradients, SweepPlan, TargetSegment, sweep
 from .vocab_parallel import ProcessGroup
 
@@ -154,6 +155,7 @@ def linear_tv_loss(
     metrics: bool = False,
     target_logits: Optional[torch.Tensor] = None,
     grad_storage: GradStorage = 'auto',
+    kernels: RowKernels = 'auto',
 ) -> TVLossResult:
     """A draft loss of G MTP depths against a detached target, chunked over tokens.
 
@@ -187,6 +189,8 @@ def linear_tv_loss(
             chunk by chunk; ``'logit_grads'`` the ``[G, s, b, V/tp]`` logit gradients in the
             weight's dtype, turned into both gradients by two products in backward; ``'auto'``
             (default) the smaller of the two (:func:`choose_grad_storage`).
+        kernels: the row kernels: ``'auto'`` (Triton on CUDA fp32 logits, else torch),
+            ``'torch'`` or ``'triton'`` (required; :func:`.row_ops.select_row_ops`).
 
     Returns:
         :class:`TVLossResult`.
@@ -220,6 +224,8 @@ def linear_tv_loss(
         raise ValueError(f"chunk_size={chunk_size!r} must be an int >= 0.")
     if not (isinstance(temperature, (int, float)) and 0 < temperature < float('inf')):
         raise ValueError(f"temperature={temperature!r} must be a finite number > 0.")
+    if kernels not in ROW_KERNELS:
+        raise ValueError(f"kernels={kernels!r}; expected one of {list(ROW_KERNELS)}.")
     if grad_storage not in _GRAD_STORAGES:
         raise ValueError(f"grad_storage={grad_storage!r}; expected one of {_GRAD_STORAGES}.")
     if segments is None:
@@ -235,6 +241,7 @@ def linear_tv_loss(
         inv_temperature=1.0 / float(temperature),
         metrics=metrics,
         target_is_logits=target_logits is not None,
+        kernels=kernels,
     )
     target = (target_logits if target_logits is not None else target_hidden).detach()
     token_weights = token_weights.detach().float()

@@ -186,6 +186,7 @@ def process_mtp_tv_loss(
             labels=torch.stack(rolled.labels).transpose(1, 2) if is_training else None,
             fused=fused, temperature=getattr(config, 'mtp_tv_temperature', 1.0),
             metrics=is_training, target_logits=main_logits,
+            kernels=getattr(config, 'mtp_tv_kernels', 'auto'),
         )
         if is_training:
             save_acceptance_to_tracker(

@@ -22,15 +22,16 @@ normaliser, then the sums, then the gradient) and never materialises ``p`` or ``
 """
 
 import os
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import Callable, Literal, NamedTuple, Optional, Tuple, get_args
 
 import torch
 
 from .scratch import Scratch
 from .vocab_parallel import ProcessGroup, combine_row_stats, group_size
 
-#: ``auto`` (default): Triton on CUDA fp32 logits; ``0``: always torch; ``1``: require Triton.
-TRITON_ENV = 'MEGATRON_MTP_TV_TRITON'
+RowKernels = Literal['auto', 'torch', 'triton']
+#: The row kernels a sweep may use (``mtp_tv_kernels``; see :func:`select_row_ops`).
+ROW_KERNELS = get_args(RowKernels)
 
 #: Smallest normal fp32: probabilities are clamped to it inside KL's logarithm, so a draft that
 #: underflows where the target has mass adds at most ``p * 87.3`` per entry instead of infinity
@@ -340,18 +341,24 @@ def triton_unavailable_reason(logits: torch.Tensor) -> Optional[str]:
     return None
 
 
-def select_row_ops(logits: torch.Tensor):
-    """``(ops, reason)``: a fresh row-ops object for ``logits`` and why Triton is not used."""
-    mode = os.environ.get(TRITON_ENV, 'auto')
-    if mode not in ('auto', '0', '1'):
-        raise ValueError(f"{TRITON_ENV}={mode!r}; expected 'auto', '0' or '1'.")
-    if mode == '0':
-        return TorchRowOps(), f'disabled by {TRITON_ENV}=0'
+def select_row_ops(logits: torch.Tensor, kernels: RowKernels = 'auto'):
+    """``(ops, reason)``: a fresh row-ops object for ``logits`` and why Triton is not used.
+
+    Args:
+        logits: ``[n, V/tp]`` the chunk's logits.
+        kernels: ``'auto'``: Triton where it can run (CUDA fp32 logits, or ``TRITON_INTERPRET=1``),
+            else torch; ``'torch'``: always torch; ``'triton'``: Triton, or a RuntimeError saying
+            why it cannot run (``mtp_tv_kernels``).
+    """
+    if kernels not in ROW_KERNELS:
+        raise ValueError(f'kernels={kernels!r}; expected one of {list(ROW_KERNELS)}.')
+    if kernels == 'torch':
+        return TorchRowOps(), "mtp_tv_kernels='torch'"
     reason = triton_unavailable_reason(logits)
     if reason is None:
         return TritonRowOps(), None
-    if mode == '1':
-        raise RuntimeError(f'{TRITON_ENV}=1 but the Triton kernel cannot run: {reason}.')
+    if kernels == 'triton':
+        raise RuntimeError(f"mtp_tv_kernels='triton' but the Triton kernel cannot run: {reason}.")
     return TorchRowOps(), reason
 
 

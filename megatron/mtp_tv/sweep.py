@@ -58,6 +58,8 @@ class SweepPlan:
     inv_temperature: float
     metrics: bool
     """Also compute the greedy agreement of draft and target argmax."""
+    kernels: str = 'auto'
+    """The row kernels (:func:`.row_ops.select_row_ops`)."""
     target_is_logits: bool = False
     """The target is the main head's ``[s, b, V/tp]`` logits (else ``[s, b, h]`` hidden states)."""
 
@@ -262,7 +264,7 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
         drafts = [draft_hidden[k, chunk.positions].reshape(n, h) for k in range(G)]
         inputs, in_place_rows = source.logits(chunk, drafts, products, scratch, raw)
         z = _scaled_logits(raw, plan)  # row ops overwrite it; raw stays for the chain rule
-        ops = ops or select_row_ops(z)[0]
+        ops = ops or select_row_ops(z, plan.kernels)[0]
         hits = _label_hits(z, chunk, plan.labels, vocab) if plan.labels is not None else None
 
         # Collective 1: the normalisers (and argmax) of the target rows and every depth's rows.
