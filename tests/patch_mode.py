@@ -89,10 +89,26 @@ def pytest_configure(config):
     )
 
 
+#: The losses a patch-mode run keeps of a test parametrised over every loss: one per-depth loss
+#: and the per-chain one. The patched tree's loss modules are the checkout's, byte for byte
+#: (tests/test_patches.py), and the plugin run covers every loss; patch mode tests the tree's
+#: integration, which does not depend on the loss.
+PATCH_MODE_LOSSES = ('tv', 'e2e_tv')
+
+
 def pytest_collection_modifyitems(config, items):
     if not active():
         return
     import pytest
+
+    kept, deselected = [], []
+    for item in items:
+        params = getattr(getattr(item, 'callspec', None), 'params', {})
+        loss = params.get('loss_type')
+        (deselected if loss is not None and loss not in PATCH_MODE_LOSSES else kept).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
 
     skip = pytest.mark.skip(reason='plugin mode only (MTP_TV_MODE=patch)')
     for item in items:
