@@ -247,7 +247,8 @@ def linear_tv_loss(
     token_weights = token_weights.detach().float()
     if torch.is_grad_enabled() and (draft_hidden.requires_grad or weight.requires_grad):
         if not fused:
-            mode = Recompute()
+            # Forward already returns the label hits and the argmax agreement: not again.
+            mode = Recompute(dataclasses.replace(plan, labels=None, metrics=False))
         elif grad_storage == 'auto':
             mode = BACKWARD_MODES[choose_grad_storage(
                 G * s * b, h, weight.shape[0], weight.dtype, draft_hidden.requires_grad,
@@ -312,12 +313,10 @@ class Recompute:
     """Forward keeps only the inputs; backward runs the sweep again with a dense sink (the
     projections twice; for debugging)."""
 
-    def __init__(self):
-        self.plan = None
+    def __init__(self, backward_plan: SweepPlan):
+        self.plan = backward_plan  # the sweep backward runs (the fused modes keep no plan)
 
     def forward_sink(self, draft_hidden, weight, plan, need_draft, need_weight):
-        # Forward already returns the label hits and the argmax agreement: not again.
-        self.plan = dataclasses.replace(plan, labels=None, metrics=False)
         return None
 
     def save(self, ctx, out, sink, draft_hidden, weight, target, token_weights):
