@@ -12,6 +12,9 @@ with it (``setup.py`` packages ``megatron.mtp_tv`` alone) and never copied by th
 * :mod:`.contiguous` - NVIDIA dev's contiguous packed context-parallel layout (its roll
   context and list-form ``roll_tensor``) for trees that lack it.
 * :mod:`.speculative` - the rejection-sampling verifier of the demos' speculative decoding.
+* :mod:`.megatron_args` - Megatron's own argument parsing in-process, as ``pretrain_gpt.py`` and
+  miles drive it.
+* :mod:`.patch_mode` - switch a process to a tree patched with ``patches/`` (tests, tools).
 
 Importable from a checkout (the development install puts the repository root on ``sys.path``).
 Importing this package imports torch but not megatron; the submodules import megatron lazily.

@@ -11,7 +11,7 @@ import pytest
 
 import megatron.mtp_tv
 from megatron.mtp_tv.config import MTP_LOSS_TYPES
-from megatron_args import config_from_argv, miles_extra_args_provider, parse, reset_arg
+from mtp_tv_dev.megatron_args import config_from_argv, miles_extra_args_provider, parse, reset_arg
 
 import patch_mode
 

@@ -1,7 +1,7 @@
 """The MTP loss stops, never falls back, when the config is not what was asked for.
 
 * Megatron's parsed arguments ask for one loss and the model's config holds another (the config
-  was built without them): the first MTP loss raises ``ValueError`` naming both.
+  was built without them): building the model's MTP block raises ``ValueError`` naming both.
 * A bad value assigned after construction (which skips ``__post_init__``): the same
   ``ValueError`` as construction, at the loss, instead of a ``KeyError`` deep in the loss code.
 """
@@ -12,7 +12,7 @@ import torch
 import megatron.mtp_tv
 from mtp_tv_dev.distributed import single_process
 from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss
-from megatron_args import miles_extra_args_provider, parse
+from mtp_tv_dev.megatron_args import miles_extra_args_provider, parse
 from test_args_forwarding import BASE
 
 megatron.mtp_tv.install()
@@ -46,15 +46,14 @@ def megatron_args(monkeypatch):
 
 
 @pytest.mark.parametrize('held', [
-    'ce',  # Megatron's own CE path: the plugin's dispatcher / the patched dispatch block checks it
-    'kl',  # the package's path
+    'ce',  # Megatron's own CE loss
+    'kl',  # one of this package's losses
 ])
-def test_arguments_asking_for_another_loss_stop_the_first_mtp_loss(megatron_args, held):
+def test_arguments_asking_for_another_loss_stop_the_model_construction(megatron_args, held):
     megatron_args(['--mtp-num-layers', '2', '--mtp-loss-type', 'tv', '--mtp-tv-temperature', '0.5'])
     with single_process():
-        model = _model(mtp_loss_type=held)  # built by hand: the arguments never reached it
         with pytest.raises(ValueError) as err:
-            _step(model)
+            _model(mtp_loss_type=held)  # built by hand: the arguments never reached it
     message = str(err.value)
     assert "--mtp-loss-type 'tv'" in message and f"mtp_loss_type={held!r}" in message
     assert "--mtp-tv-temperature 0.5" in message and 'mtp_tv_temperature=1.0' in message

@@ -10,8 +10,8 @@ reference from the equations (``mtp_tv_dev/reference.py``), for the loss type as
 * miles' bridge mode: Megatron's ``parse_args``/``validate_args`` on a command line with
   ``--mtp-loss-type``, ``set_args``, the provider with miles' fixed list of arguments copied onto
   it, ``finalize()``, ``provide()``: the fields reach the provider through
-  ``megatron.mtp_tv.bridge``; where they cannot (a provider finalized before ``set_args``), the
-  first MTP loss stops with a ``ValueError``.
+  ``megatron.mtp_tv.bridge``; where they cannot (a provider finalized before ``set_args``),
+  building the model stops with a ``ValueError``.
 
 CPU stand-ins (test code only, ``mtp_tv_dev/bridge.py``): a Transformer Engine
 module for ``megatron.bridge.peft.lora_layers``' import, the local layer and MTP specs,
@@ -25,7 +25,7 @@ import megatron.mtp_tv
 from mtp_tv_dev.bridge import cpu_provider_settings, import_bridge, local_mtp_block_spec
 from mtp_tv_dev.distributed import seed_everything, single_process
 from mtp_tv_dev.models import forward_loss
-from megatron_args import miles_extra_args_provider, validated_args
+from mtp_tv_dev.megatron_args import miles_extra_args_provider, validated_args
 from test_args_forwarding import BASE
 from tests.model_reference import mtp_reference_objective, recorded_mtp_hidden
 
@@ -192,7 +192,7 @@ def test_miles_bridge_mode_trains_with_the_loss_on_the_command_line(
     _assert_matches_reference(provider, loss_type)
 
 
-def test_miles_bridge_mode_without_the_arguments_at_finalize_stops_at_the_first_loss(
+def test_miles_bridge_mode_without_the_arguments_at_finalize_stops_the_model_construction(
     hf_dir, set_megatron_args, monkeypatch
 ):
     import megatron.training.global_vars as global_vars
@@ -202,8 +202,9 @@ def test_miles_bridge_mode_without_the_arguments_at_finalize_stops_at_the_first_
     provider = _miles_provider(hf_dir, args)  # finalized before set_args: nothing to take
     assert provider.mtp_loss_type == 'ce'
     monkeypatch.setattr(global_vars, '_GLOBAL_ARGS', args)
-    with pytest.raises(ValueError, match=r"--mtp-loss-type 'tv'.*mtp_loss_type='ce'"):
-        _train_step(provider)
+    with single_process(), local_mtp_block_spec():
+        with pytest.raises(ValueError, match=r"--mtp-loss-type 'tv'.*mtp_loss_type='ce'"):
+            provider.provide(pre_process=True, post_process=True)
 
 
 def test_arguments_at_their_defaults_leave_the_provider_alone(hf_dir, set_megatron_args):

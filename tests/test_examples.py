@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import megatron.mtp_tv
-from megatron_args import config_from_argv, miles_extra_args_provider
+from mtp_tv_dev.megatron_args import config_from_argv, miles_extra_args_provider
 
 megatron.mtp_tv.install()  # a no-op in patch mode
 

@@ -10,7 +10,7 @@ import torch
 import megatron.mtp_tv
 from megatron.mtp_tv import mtp_loss as mtp_loss_module
 from megatron.mtp_tv.losses import LOSSES
-from megatron.mtp_tv.main_logits import reuse_main_logits
+from megatron.mtp_tv.main_logits import MainLogitsTarget
 from mtp_tv_dev.distributed import single_process
 from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss
 
@@ -139,33 +139,58 @@ def test_eval_uses_the_main_logits_without_gradients():
     assert seen == [True] and torch.isfinite(loss).all()
 
 
-def test_a_deferred_loss_nobody_picks_up_is_an_error():
-    # A _postprocess that runs the MTP loss and then never projects the main head.
-    model = _model('tv', depth=1)
-    from megatron.core.models.gpt import gpt_model
-
-    @reuse_main_logits
-    def postprocess(self, hidden_states, labels, loss_mask):
-        return gpt_model.process_mtp_loss(
-            hidden_states=hidden_states, labels=labels, loss_mask=loss_mask,
-            output_layer=self.output_layer, output_weight=self.shared_embedding_or_output_weight(),
-            runtime_gather_output=None, is_training=True,
-            compute_language_model_loss=self.compute_language_model_loss, config=self.config,
-            tp_group=self.tp_group,
-        )
-
+def _process_mtp_tv_loss_kwargs(model, depth):
     _, labels, mask = _batch()
-    hidden = torch.randn(2 * SEQ, BATCH, HIDDEN, requires_grad=True)
+    return dict(
+        hidden_states=torch.randn((1 + depth) * SEQ, BATCH, HIDDEN, requires_grad=True),
+        labels=labels, loss_mask=mask, output_layer=model.output_layer,
+        output_weight=model.shared_embedding_or_output_weight(), runtime_gather_output=None,
+        is_training=True, compute_language_model_loss=model.compute_language_model_loss,
+        config=model.config, tp_group=model.tp_group,
+    )
+
+
+def test_the_target_runs_the_deferred_loss_once_on_the_logits_it_is_given():
+    """What patch mode's _postprocess does with its MainLogitsTarget, step by step."""
+    from megatron.mtp_tv.mtp_loss import process_mtp_tv_loss
+
+    model = _model('tv', depth=1)
+    kwargs = _process_mtp_tv_loss_kwargs(model, 1)
+    target = MainLogitsTarget.for_postprocess(model)
+    with _targets_seen() as seen:
+        main_hidden = process_mtp_tv_loss(**kwargs, main_logits_target=target)
+        assert seen == [] and target.pending and target.main_hidden is main_hidden
+        with pytest.raises(RuntimeError, match='never projected the main hidden states'):
+            target.check()
+        logits, _ = model.output_layer(main_hidden, weight=kwargs['output_weight'])
+        attached = target.attach(logits)
+    assert seen == [True] and not target.pending and torch.equal(attached, logits)
+    attached.float().logsumexp(-1).sum().backward()
+    assert kwargs['hidden_states'].grad[SEQ:].abs().sum() > 0  # the MTP loss's gradient
+    with pytest.raises(RuntimeError, match='projected the main hidden states twice'):
+        target.attach(logits.detach())
+    assert MainLogitsTarget.for_postprocess(model, output_processor=lambda **_: None) is None
+
+
+@pytest.mark.plugin_only
+def test_a_deferred_loss_nobody_picks_up_is_an_error_in_plugin_mode():
+    """The plugin's hook recognises the main projection by its input; a _postprocess whose
+    output layer never sees the main hidden states leaves the loss deferred: an error."""
+    model = _model('tv', depth=1)
+    # The output layer gets a copy of its input: not the main hidden states the loss deferred to.
+    model.output_layer.register_forward_pre_hook(lambda module, args: (args[0].clone(), *args[1:]))
     with pytest.raises(RuntimeError, match='never projected the main hidden states'):
-        postprocess(model, hidden, labels, mask)
+        _step(model)
 
 
-def test_the_decorator_is_applied_once():
+@pytest.mark.plugin_only
+def test_the_plugin_wraps_postprocess_once():
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.mtp_tv import plugin
 
     once = GPTModel._postprocess
-    assert reuse_main_logits(once) is once
-    assert getattr(once, '__mtp_tv_reuse_main_logits__', False)
+    plugin._install_main_logits()
+    assert GPTModel._postprocess is once and once.__mtp_tv_main_logits__
 
 
 def test_main_logits_given_to_process_mtp_tv_loss_replace_the_projection():

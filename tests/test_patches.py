@@ -198,7 +198,7 @@ def test_patched_dispatch_keeps_every_cross_entropy_name_on_megatrons_code():
         assert f'mtp_loss_type not in {CROSS_ENTROPY_NAMES!r}' in added, name
 
 
-MAIN_LOGITS_IMPORT = f'from {layout.TARGET_MODULE}.main_logits import reuse_main_logits'
+MAIN_LOGITS_IMPORT = f'from {layout.TARGET_MODULE}.main_logits import MainLogitsTarget'
 
 
 def _section(text, path):
@@ -207,50 +207,93 @@ def _section(text, path):
 
 
 @pytest.mark.parametrize('name', sorted(targets.TARGETS))
-def test_every_patch_decorates_postprocess_with_reuse_main_logits(name):
-    """Every tree's GPTModel._postprocess gets @reuse_main_logits (the TV losses' target from the
-    main head's logits), the decorator line right above its ``def`` and the import right after a
-    megatron.core.transformer import."""
-    lines = _section(targets.TARGETS[name].patch_path.read_text(), layout.GPT_FILE)
+def test_every_patch_hands_the_main_logits_to_the_mtp_loss_as_arguments(name):
+    """In every committed patch, GPTModel._postprocess makes its MainLogitsTarget, passes it to the
+    MTP loss and gives it the logits of each main-head projection (the line right after it)."""
+    target = targets.TARGETS[name]
+    lines = _section(target.patch_path.read_text(), layout.GPT_FILE)
     i = lines.index('+' + MAIN_LOGITS_IMPORT)
     assert lines[i - 1].startswith(' from megatron.core.transformer.'), lines[i - 1]
-    j = lines.index('+    @reuse_main_logits')
-    assert lines[j + 1] == ' ' + '    def _postprocess(', lines[j + 1]
-    assert lines[j - 1].startswith('+    # mtp_tv: ') and 'main_logits.py' in lines[j - 1]
-    assert i < j and sum(l.startswith('+') and 'reuse_main_logits' in l for l in lines) == 2
+    made = [l for l in lines if 'mtp_tv_main_logits = MainLogitsTarget.for_postprocess(' in l]
+    assert len(made) == 1 and made[0].startswith('+        ')
+    passed = [l for l in lines if l.startswith('+') and 'main_logits_target=mtp_tv_main_logits' in l]
+    assert len(passed) == 1, passed
+    attached = [j for j, l in enumerate(lines) if l.endswith('logits = mtp_tv_main_logits.attach(logits)')]
+    assert len(attached) == len(target.facts.main_logits_projections) > 0
+    for j in attached:  # each right after the statement `logits, _ = self.output_layer(...)`
+        k = j - 2
+        while not lines[k].lstrip(' +').startswith('logits, _ = self.output_layer('):
+            assert not lines[k].startswith('+'), lines[k]
+            k -= 1
+    mtp = _section(target.patch_path.read_text(), layout.MTP_FILE)
+    assert sum(l.startswith('+') and 'check_megatron_args(config)' in l for l in mtp) == 1
+    assert not any('check_megatron_args' in l for l in lines)  # once, at construction
 
 
 def _pristine(target):
     return sources.files_0192() if target.commit is None else _fork_files(target)
 
 
+def _function(tree, cls, name):
+    import ast
+
+    body = tree.body if cls is None else next(
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    return next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
 @pytest.mark.parametrize('name', sorted(targets.TARGETS))
-def test_patched_gpt_model_imports_and_applies_reuse_main_logits(name):
-    """In the patched file the decorator is the outermost one of GPTModel._postprocess and is
-    imported at module level after the tree's last megatron.core.transformer import."""
+def test_patched_sources_pass_the_target_and_check_the_arguments_at_construction(name):
+    """In the patched files: _postprocess starts with its target, hands it to the MTP loss
+    call and attaches it right after every main projection; process_mtp_loss takes it (default
+    None); MultiTokenPredictionBlock.__init__ first checks Megatron's arguments."""
     import ast
 
     target = targets.TARGETS[name]
     if target.commit and not FORK:
         pytest.skip('set MTP_TV_MEGATRON_LM to clones holding the fork commits')
-    tree = ast.parse(edits.patched_files(_pristine(target))[layout.GPT_FILE])
-    post = next(n for n in next(n for n in tree.body if getattr(n, 'name', '') == 'GPTModel').body
-                if getattr(n, 'name', '') == '_postprocess')
-    assert ast.unparse(post.decorator_list[0]) == 'reuse_main_logits'
-    imports = [n for n in tree.body if isinstance(n, ast.ImportFrom)
-               and (n.module or '').startswith('megatron.core.transformer.')]
-    assert ast.unparse(imports[-1]) == MAIN_LOGITS_IMPORT
+    patched = edits.patched_files(_pristine(target))
+    gpt = ast.parse(patched[layout.GPT_FILE])
+    assert ast.unparse(next(n for n in gpt.body if isinstance(n, ast.ImportFrom)
+                            and n.module.endswith('main_logits'))) == MAIN_LOGITS_IMPORT
+    post = _function(gpt, 'GPTModel', '_postprocess')
+    assert ast.unparse(post.body[1]).startswith('mtp_tv_main_logits = MainLogitsTarget.for_postprocess(self')
+    calls = [n for n in ast.walk(post) if isinstance(n, ast.Call)
+             and ast.unparse(n.func) in ('process_mtp_loss', 'process_mtp_tv_loss')
+             and any(k.arg == 'main_logits_target' for k in n.keywords)]
+    assert len(calls) == 1
+    attached = 0
+    for block in ast.walk(post):
+        for field in ('body', 'orelse'):
+            statements = getattr(block, field, None)
+            if not isinstance(statements, list):  # an expression's body (lambda, if-expression)
+                continue
+            for statement, after in zip(statements, statements[1:] + [None]):
+                if ast.unparse(statement).startswith('logits, _ = self.output_layer('):
+                    assert ast.unparse(after) == (
+                        'if mtp_tv_main_logits is not None:\n'
+                        '    logits = mtp_tv_main_logits.attach(logits)'
+                    )
+                    attached += 1
+    assert attached == len(target.facts.main_logits_projections) > 0
+    mtp = ast.parse(patched[layout.MTP_FILE])
+    if target.facts.process_mtp_loss_params is not None:
+        fn = _function(mtp, None, 'process_mtp_loss')
+        assert fn.args.args[-1].arg == 'main_logits_target'
+        assert ast.unparse(fn.args.defaults[-1]) == 'None'
+    init = _function(mtp, 'MultiTokenPredictionBlock', '__init__')
+    first = [ast.unparse(n) for n in init.body if not isinstance(n, ast.Expr)
+             or not isinstance(n.value, ast.Constant)][:2]
+    assert first[1] == 'check_megatron_args(config)', first
 
 
-def test_reuse_main_logits_goes_above_the_decorators_postprocess_has():
+def test_a_process_mtp_loss_call_not_one_keyword_per_line_is_refused():
     text = sources.files_0192()[layout.GPT_FILE]
-    assert text.count('    def _postprocess(') == 1
-    text = text.replace('    def _postprocess(', '    @torch.no_grad()\n    def _postprocess(')
-    out = edits.edit_gpt(text).result()
-    assert (
-        "main head's logits (mtp_tv/main_logits.py).\n    @reuse_main_logits\n"
-        '    @torch.no_grad()\n    def _postprocess(' in out
-    ), out
+    call = '                hidden_states = process_mtp_loss(\n                    hidden_states=hidden_states,'
+    assert text.count(call) == 1
+    changed = text.replace(call, '                hidden_states = process_mtp_loss(hidden_states,')
+    with pytest.raises(layout.PatchError, match='one per line'):
+        edits.edit_gpt(changed)
 
 
 def test_a_gpt_model_without_postprocess_or_already_patched_is_refused():

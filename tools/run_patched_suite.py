@@ -9,7 +9,7 @@ Steps: take the registry wheel of megatron-core 0.19.2 (cached in $MTP_TV_CACHE 
 ~/.cache/megatron-mtp-tv, created if missing; downloaded with pip, sha256-pinned), unpack it, ``git apply`` the patch at its root
 (the result is cached next to the wheel, keyed by the sha256 of wheel and patch, with its .pyc
 files; --fresh builds a throw-away one), and run pytest with ``MTP_TV_MODE=patch`` and the tree first
-on ``PYTHONPATH``: ``tests/patch_mode.py`` then makes every ``megatron.mtp_tv`` import resolve to the
+on ``PYTHONPATH``: ``mtp_tv_dev/patch_mode.py`` then makes every ``megatron.mtp_tv`` import resolve to the
 tree's ``megatron.core.transformer.mtp_tv`` and skips the plugin's ``install()``, so what is tested
 is the patched tree alone (the start-up hook is switched off too). Exit status: pytest's.
 """

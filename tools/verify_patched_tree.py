@@ -7,13 +7,14 @@
 
 Everything runs in a child process with only the tree on ``PYTHONPATH`` for Megatron (the plugin
 is not installed; ``megatron.mtp_tv`` resolves to the tree's ``megatron.core.transformer.mtp_tv``,
-see tests/patch_mode.py; only the CPU test support comes from this checkout):
+see mtp_tv_dev/patch_mode.py; only the CPU test support comes from this checkout):
 
 1. ``TransformerConfig`` has every field of the tree's ``MTPLossConfig`` natively and validates
    them, and the tree's
    ``pyproject.toml`` package list includes ``megatron.core.transformer.mtp_tv`` (so a pip install
-   of the patched tree carries it); ``GPTModel._postprocess`` carries the tree's
-   ``@reuse_main_logits`` outermost (the TV losses' target from the main head's logits);
+   of the patched tree carries it); ``GPTModel._postprocess`` has
+   its ``MainLogitsTarget`` passed to the MTP loss and attached after every main projection
+   (the TV losses' target from the main head's logits);
 2. the tree's own ``parse_args``, driven as miles drives it (``extra_args_provider`` resetting
    MTP defaults with miles' ``reset_arg``), knows ``--mtp-loss-type``/``--mtp-tv-chunk`` and
    ``core_transformer_config_from_args`` carries them into the config (skipped with the reason
@@ -83,8 +84,8 @@ def _no_te_shims() -> list:
 
 
 def _child(tree: Path) -> dict:
-    sys.path.insert(0, str(REPO / 'tests'))
-    import patch_mode
+    sys.path.insert(1, str(REPO))  # this checkout's test support, after the tree
+    from mtp_tv_dev import patch_mode
 
     patch_mode.activate()
     results = {}
@@ -135,21 +136,27 @@ def _check_packaging(tree: Path) -> str:
 
 
 def _check_main_logits() -> str:
-    """GPTModel._postprocess is decorated with the tree's reuse_main_logits, outermost."""
+    """GPTModel._postprocess hands the tree's MainLogitsTarget to the MTP loss and attaches it
+    after every main-head projection."""
     import ast
 
     from megatron.core.models.gpt import gpt_model
     from megatron.core.transformer.mtp_tv import main_logits
 
-    assert getattr(gpt_model, 'reuse_main_logits', None) is main_logits.reuse_main_logits, (
-        'gpt_model.py does not import the tree\'s reuse_main_logits'
+    assert getattr(gpt_model, 'MainLogitsTarget', None) is main_logits.MainLogitsTarget, (
+        "gpt_model.py does not import the tree's MainLogitsTarget"
     )
     source = ast.parse(Path(gpt_model.__file__).read_text())
     cls = next(n for n in source.body if isinstance(n, ast.ClassDef) and n.name == 'GPTModel')
     post = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == '_postprocess')
-    decorators = [ast.unparse(d) for d in post.decorator_list]
-    assert decorators[:1] == ['reuse_main_logits'], decorators
-    return 'ok: GPTModel._postprocess decorated with mtp_tv.main_logits.reuse_main_logits'
+    text = ast.unparse(post)
+    projections = text.count('logits, _ = self.output_layer(')
+    attached = text.count('logits = mtp_tv_main_logits.attach(logits)')
+    assert 'mtp_tv_main_logits = MainLogitsTarget.for_postprocess(self' in text
+    assert text.count('main_logits_target=mtp_tv_main_logits') == 1
+    assert attached == projections > 0, (attached, projections)
+    return (f'ok: GPTModel._postprocess passes its MainLogitsTarget to the MTP loss and attaches '
+            f'it after its {projections} main projection(s)')
 
 
 def _check_cli():
@@ -172,7 +179,7 @@ def _check_cli():
     ]
     os.environ.setdefault('WORLD_SIZE', '1')
     os.environ.setdefault('RANK', '0')
-    from megatron_args import miles_extra_args_provider  # tests/: what miles' provider does
+    from mtp_tv_dev.megatron_args import miles_extra_args_provider  # what miles' provider does
 
     args = arguments.parse_args(extra_args_provider=miles_extra_args_provider)
     if hasattr(arguments, 'get_device_arch_version'):
@@ -269,13 +276,11 @@ def _ce_fingerprint(patched: bool) -> dict:
 
     import torch
 
+    sys.path.insert(1, str(REPO))  # the tree first, this checkout's test support after it
     if patched:
-        sys.path.insert(0, str(REPO / 'tests'))
-        import patch_mode
+        from mtp_tv_dev import patch_mode
 
         patch_mode.activate()
-    else:  # the pristine tree first, this checkout's test support after it
-        sys.path.insert(1, str(REPO))
     _no_te_shims()
     from megatron.core.models.gpt import gpt_model
     from megatron.core.models.gpt.gpt_model import GPTModel

@@ -7,7 +7,8 @@ Plugin use::
 
 The loss math (:mod:`.linear_tv`, :mod:`.alignment`, :mod:`.vocab_parallel`) imports only torch;
 the Megatron glue is :mod:`.mtp_loss`, :mod:`.metrics` and :mod:`.plugin`; :mod:`.bridge` carries
-Megatron's parsed arguments onto Megatron-Bridge providers and checks them at the loss.
+Megatron's parsed arguments onto Megatron-Bridge providers and checks them when a model's MTP
+block is built.
 """
 
 __version__ = '0.1.0'

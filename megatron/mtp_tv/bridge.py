@@ -17,11 +17,12 @@ in ``sys.modules``), so both cost nothing where neither is in use.
   other than its default is copied onto the provider. Arguments at their default ask for
   nothing, so a value set on the provider (a Bridge recipe's ``cfg.model.mtp_loss_type``) stays;
   a provider that holds a different non-default value is a conflict and raises ``ValueError``.
-* :func:`check_megatron_args` runs at every MTP loss, whatever built the config: where the
-  arguments ask for a value and the config holds another, it raises ``ValueError`` naming both.
-  That is the guard for every way of building a config that does not take the arguments (a
-  config built by hand or before ``set_args``, a provider finalized before ``install()``, a field
-  assigned after construction), so a flag is never parsed and then silently dropped.
+* :func:`check_megatron_args` runs once per model, first in ``MultiTokenPredictionBlock.__init__``
+  (the plugin's wrapper, the patched source), whatever built the config: where the arguments ask
+  for a value and the config holds another, it raises ``ValueError`` naming both. That is the
+  guard for every way of building a config that does not take the arguments (a config built by
+  hand or before ``set_args``, a provider finalized before ``install()``), so a flag is never
+  parsed and then silently dropped. The loss itself never reads Megatron's arguments.
 """
 
 import dataclasses

@@ -126,7 +126,7 @@ def validate_mtp_loss_config(config) -> None:
 
     Runs in ``TransformerConfig.__post_init__`` (a Megatron-Bridge provider runs that in
     ``finalize()``; there :func:`.bridge.carry_to_bridge_provider` runs first) and again at every
-    MTP loss (fields assigned after construction skip ``__post_init__``). Reads the config and
+    TV-family MTP loss (fields assigned after construction skip ``__post_init__``). Reads the config and
     changes nothing.
 
     Args:

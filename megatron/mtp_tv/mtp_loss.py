@@ -23,11 +23,10 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer import multi_token_prediction as _mtp
 
 from .alignment import CP_LAYOUTS, target_segments
-from .bridge import check_megatron_args
 from .config import is_cross_entropy, validate_mtp_loss_config
 from .linear_tv import linear_tv_loss
 from .losses import loss_from_config
-from .main_logits import open_slot
+from .main_logits import MainLogitsTarget
 from .metrics import save_acceptance_to_tracker
 from .sweep import TargetSegment
 from .vocab_parallel import group_size, vocab_range
@@ -56,17 +55,6 @@ def _roll_once(
     return roll_tensor(
         tensor, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params
     )
-
-
-def _check_config(config) -> None:
-    """The config's MTP loss fields are the ones Megatron's arguments ask for, and valid.
-
-    Checked at every loss, not only in ``__post_init__``: a config that was not built from the
-    arguments, or a field assigned after construction (``config.mtp_loss_type = 'TV'``), gets
-    the same ``ValueError`` as construction instead of a wrong loss or a ``KeyError``.
-    """
-    check_megatron_args(config)
-    validate_mtp_loss_config(config)
 
 
 def _roll_context_kwargs(roll_context, field: Optional[str], roll_depth: int) -> dict:
@@ -120,6 +108,7 @@ def process_mtp_tv_loss(
     sequence_roll_context=None,
     metrics_only: bool = False,
     main_logits: Optional[Tensor] = None,
+    main_logits_target: Optional[MainLogitsTarget] = None,
 ) -> Tensor:
     """The ``'tv'`` / ``'e2e_tv'`` / ``'kl'`` / ``'lk'`` / ``'nla'`` MTP loss (see
     :mod:`megatron.mtp_tv.linear_tv`).
@@ -128,15 +117,16 @@ def process_mtp_tv_loss(
     ``mtp_log_acceptance`` with the CE loss, under ``torch.no_grad``). ``main_logits``
     (``[s, b, V/tp]``, or the gathered vocabulary) are the main head's logits of the main hidden
     states, if the caller has them: the target is then read from them instead of projected.
-    Inside a ``GPTModel._postprocess`` decorated with
-    :func:`~megatron.mtp_tv.main_logits.reuse_main_logits` (plugin and patches) the loss takes
-    them from the main projection that follows, without this argument. ``sequence_roll_context``
+    ``main_logits_target`` (from ``GPTModel._postprocess``, which projects the main head after
+    this loss) receives the sweep instead, to run it on those logits (see
+    :mod:`megatron.mtp_tv.main_logits`); None: the loss runs now. ``sequence_roll_context``
     (NVIDIA dev, contiguous packed context parallelism) goes to every ``roll_tensor`` call as dev's
     own loss passes it; the targets of that layout are aligned by
     :func:`~megatron.mtp_tv.alignment.contiguous_target_segments`.
     """
     del compute_language_model_loss, runtime_gather_output  # the TV path never builds full logits
-    _check_config(config)
+    # Per call: a field assigned after construction gets construction's ValueError, not a KeyError.
+    validate_mtp_loss_config(config)
     depth, loss_type = config.mtp_num_layers, getattr(config, 'mtp_loss_type', 'ce')
     loss_fn = loss_from_config(config, 'tv' if is_cross_entropy(loss_type) else loss_type)  # 'ce': metrics
     # One split into the main rows and every depth's rows, as Megatron's torch.chunk: in
@@ -156,15 +146,15 @@ def process_mtp_tv_loss(
     tp_group = tp_group if tp_group is not None else getattr(output_layer, 'tp_group', None)
     token_weights = _token_weights(loss_fn, rolled, config)
 
-    # Where GPTModel._postprocess projects the main head next (megatron.mtp_tv.main_logits),
-    # the sweep runs on those logits: the target is not projected twice. Not for the metrics
-    # pass (it runs under no_grad here, the main projection with gradients), nor in recompute
-    # mode (the logits would be kept for backward, and Megatron's CE overwrites them in place).
+    # Where GPTModel._postprocess projects the main head next (main_logits_target), the sweep
+    # runs on those logits: the target is not projected twice. Not for the metrics pass (it runs
+    # under no_grad here, the main projection with gradients), nor in recompute mode (the logits
+    # would be kept for backward, and Megatron's CE overwrites them in place).
     fused = getattr(config, 'mtp_tv_backward', 'fused') == 'fused'
-    slot = open_slot(output_layer) if main_logits is None and fused and not metrics_only else None
+    deferred = main_logits is None and fused and not metrics_only and main_logits_target is not None
     # The target's hidden states serve the own projection and the context-parallel halos (rows
     # of another rank, projected here); from the main logits without CP they are not gathered.
-    needs_target_hidden = (main_logits is None and slot is None) or group_size(cp_group) > 1
+    needs_target_hidden = (main_logits is None and not deferred) or group_size(cp_group) > 1
     draft, target = _vocab_parallel_layout(
         draft, main_hidden, depth, tp_group, bool(getattr(output_layer, 'sequence_parallel', False)),
         needs_target_hidden,
@@ -198,8 +188,8 @@ def process_mtp_tv_loss(
             )
         return result.loss
 
-    if slot is not None:  # the sweep runs on the main logits the output layer projects next
-        slot.defer(main_hidden, sweep)
+    if deferred:  # the sweep runs on the main logits the output layer projects next
+        main_logits_target.defer(main_hidden, sweep)
         return main_hidden
     loss = sweep(main_logits.detach() if main_logits is not None else None)
     return main_hidden if metrics_only else _mtp.MTPLossAutoScaler.apply(main_hidden, loss)

@@ -1,6 +1,6 @@
 """Install the TV losses into a running megatron-core (plugin mode).
 
-:func:`install` does four things, each idempotent:
+:func:`install` does five things, each idempotent:
 
 1. adds the fields of :class:`~megatron.mtp_tv.config.MTPLossConfig` to ``TransformerConfig`` and
    every already-imported dataclass subclass (re-running ``dataclasses.dataclass`` on them, so
@@ -10,13 +10,19 @@
    ``gpt_model``, ``hybrid_model`` import it by name) with a dispatcher that keeps Megatron's
    function for ``'ce'``;
 3. makes ``MTPLossLoggingHelper.track_mtp_metrics`` log the acceptance metrics as well;
-4. decorates ``GPTModel._postprocess`` with :func:`~megatron.mtp_tv.main_logits.reuse_main_logits`,
-   so that the TV losses take their target from the main logits it computes anyway.
+4. wraps ``GPTModel._postprocess`` so that the TV losses take their target from the main logits
+   it computes anyway: the wrapper hands a :class:`~megatron.mtp_tv.main_logits.MainLogitsTarget`
+   to the loss (through a context variable read by the dispatcher of 2.) and a forward hook on
+   the output layer hands it the main logits (patch mode passes both as arguments instead);
+5. checks, when a ``MultiTokenPredictionBlock`` is built, that its config holds the MTP loss
+   settings Megatron's parsed arguments ask for (:func:`~megatron.mtp_tv.bridge.check_megatron_args`).
 
-Patch mode (``patches/``) makes the same changes in the source of a Megatron tree instead.
+Patch mode (``patches/``) makes the same changes in the source of a Megatron tree instead. The
+context variable and the hook live here, for plugin mode only.
 """
 
 import ast
+import contextvars
 import dataclasses
 import functools
 import importlib
@@ -27,6 +33,7 @@ from typing import Callable, Dict, List
 import torch
 
 from . import config as _config
+from .main_logits import MainLogitsTarget
 
 _lock = threading.Lock()
 _installed = False
@@ -68,7 +75,13 @@ TRACKER_APIS = {
 }
 
 #: ``process_mtp_tv_loss`` parameters that are not ``process_mtp_loss`` parameters.
-_TV_ONLY_PARAMS = ('metrics_only', 'main_logits')
+_TV_ONLY_PARAMS = ('metrics_only', 'main_logits', 'main_logits_target')
+
+#: The :class:`MainLogitsTarget` of the running ``GPTModel._postprocess`` (None outside one, or
+#: where no main logits follow): how the wrapped ``_postprocess`` hands it to the dispatcher.
+_MAIN_LOGITS_TARGET: contextvars.ContextVar = contextvars.ContextVar(
+    'mtp_tv_main_logits_target', default=None
+)
 
 
 class UnsupportedMegatronError(RuntimeError):
@@ -149,6 +162,7 @@ def install() -> None:
         _install_loss()
         _install_metrics_logging()
         _install_main_logits()
+        _install_args_check()
         _installed = True
 
 
@@ -295,7 +309,6 @@ def _install_loss() -> None:
 
 def _with_tv_losses(megatron_process_mtp_loss: Callable) -> Callable:
     """Megatron's ``process_mtp_loss`` for ``'ce'``, :func:`process_mtp_tv_loss` otherwise."""
-    from .bridge import check_megatron_args
     from .mtp_loss import process_mtp_tv_loss
 
     @functools.wraps(megatron_process_mtp_loss)
@@ -303,9 +316,7 @@ def _with_tv_losses(megatron_process_mtp_loss: Callable) -> Callable:
         bound = inspect.signature(megatron_process_mtp_loss).bind(*args, **kwargs).arguments
         config = bound['config']
         if not _config.is_cross_entropy(getattr(config, 'mtp_loss_type', 'ce')):
-            return process_mtp_tv_loss(**bound)  # which checks the config itself
-        # Arguments asking for 'tv' must not train cross-entropy with a config that says 'ce'.
-        check_megatron_args(config)
+            return process_mtp_tv_loss(**bound, main_logits_target=_MAIN_LOGITS_TARGET.get())
         out = megatron_process_mtp_loss(*args, **kwargs)
         if getattr(config, 'mtp_log_acceptance', False) and bound.get('is_training'):
             with torch.no_grad():
@@ -330,10 +341,63 @@ def _install_metrics_logging() -> None:
 
 
 def _install_main_logits() -> None:
+    """What the patched ``_postprocess`` does with its explicit ``main_logits_target``, from outside."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from .main_logits import reuse_main_logits
+    original = GPTModel._postprocess
+    if getattr(original, '__mtp_tv_main_logits__', False):
+        return
+    signature = inspect.signature(original)
 
-    # The class attribute, so that models built before install() get it too; the patches write
-    # the same decorator into gpt_model.py.
-    GPTModel._postprocess = reuse_main_logits(GPTModel._postprocess)
+    @functools.wraps(original)
+    def _postprocess(self, *args, **kwargs):
+        output_processor = signature.bind_partial(self, *args, **kwargs).arguments.get('output_processor')
+        target = MainLogitsTarget.for_postprocess(self, output_processor)
+        if target is None:
+            return original(self, *args, **kwargs)
+        hook = self.output_layer.register_forward_hook(
+            functools.partial(_attach_main_logits, target), with_kwargs=True
+        )
+        token = _MAIN_LOGITS_TARGET.set(target)
+        try:
+            out = original(self, *args, **kwargs)
+        finally:
+            _MAIN_LOGITS_TARGET.reset(token)
+            hook.remove()
+        target.check()
+        return out
+
+    _postprocess.__mtp_tv_main_logits__ = True
+    # The class attribute, so that models built before install() get it too.
+    GPTModel._postprocess = _postprocess
+
+
+def _attach_main_logits(target: MainLogitsTarget, module, args, kwargs, output):
+    """Forward hook of the output layer: the projection of the main hidden states goes through
+    ``target.attach`` (other projections, e.g. of an MTP depth, pass)."""
+    hidden = args[0] if args else kwargs.get('input_', kwargs.get('hidden_states'))
+    if target.main_hidden is None or hidden is not target.main_hidden:
+        return None
+    # Megatron's parallel linear layers return (output, bias); a plain module its output.
+    if isinstance(output, tuple):
+        return (target.attach(output[0]), *output[1:])
+    return target.attach(output)
+
+
+def _install_args_check() -> None:
+    """Check Megatron's arguments against the config once per model, where its MTP block is built."""
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+    from .bridge import check_megatron_args
+
+    original = MultiTokenPredictionBlock.__init__
+    if getattr(original, '__mtp_tv_args_check__', False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, config, *args, **kwargs):
+        check_megatron_args(config)  # before building anything: a wrong config trains nothing
+        original(self, config, *args, **kwargs)
+
+    __init__.__mtp_tv_args_check__ = True
+    MultiTokenPredictionBlock.__init__ = __init__

@@ -20,12 +20,16 @@ time, written into the source so the feature is native there):
 * ``multi_token_prediction.py``: ``process_mtp_loss`` (where the tree has one) hands every loss
   type but ``'ce'`` (alias ``'cross_entropy'``, upstream's name) to ``process_mtp_tv_loss`` and
   keeps its own code for those;
+  it takes a ``main_logits_target`` (default None) for them;
   ``MTPLossLoggingHelper.track_mtp_metrics`` logs the acceptance metrics first;
-* ``gpt_model.py``: ``GPTModel._postprocess`` decorated with ``@reuse_main_logits`` (imported
-  from ``mtp_tv.main_logits`` after the tree's last ``megatron.core.transformer`` import), which
-  makes the TV losses take their target from the main head's logits; in trees whose MTP loss is
-  inline in ``_postprocess`` (radixark ``miles-main``) also the same dispatch as above there, fed
-  exactly what the inline ``'ce'`` code uses.
+  ``MultiTokenPredictionBlock.__init__`` first checks that the config holds the MTP loss settings
+  Megatron's parsed arguments ask for (``check_megatron_args``);
+* ``gpt_model.py``: ``GPTModel._postprocess`` makes a ``MainLogitsTarget`` (imported from
+  ``mtp_tv.main_logits`` after the tree's last ``megatron.core.transformer`` import), passes it
+  to the MTP loss and hands it the logits of every main-head projection, so the TV losses take
+  their target from the main head's logits; in trees whose MTP loss is inline in
+  ``_postprocess`` (radixark ``miles-main``) also the same dispatch as above there, fed exactly
+  what the inline ``'ce'`` code uses.
 
 Pristine sources, always pinned: megatron-core 0.19.2 by the sha256 of the files the patch
 touches (read from the installed distribution when it is that release, else from the registry

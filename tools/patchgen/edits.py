@@ -8,13 +8,14 @@ diff.
 import ast
 from typing import Dict, List, Tuple
 
-from .facts import _find_class, _find_function, _inline_if
+from .facts import _find_class, _find_function, _inline_if, _postprocess, main_logits_projections
 from .layout import CONFIG_FILE, GPT_FILE, INLINE_CONDITION, MTP_FILE, TARGET_PACKAGE, PatchError
 from .package import field_names, shipped_modules
 from .snippets import (
-    MAIN_LOGITS_DECORATOR, MAIN_LOGITS_MODULE, snippet_config_import, snippet_fields,
-    snippet_gpt_import, snippet_inline_gpt, snippet_postprocess_decorator,
-    snippet_process_mtp_loss, snippet_track_metrics, snippet_validate,
+    CALL_KWARG_INDENT, MAIN_LOGITS_MODULE, snippet_attach, snippet_block_args_check,
+    snippet_call_kwarg, snippet_config_import, snippet_fields, snippet_gpt_import,
+    snippet_inline_gpt, snippet_postprocess_target, snippet_process_mtp_loss,
+    snippet_process_mtp_loss_param, snippet_track_metrics, snippet_validate,
 )
 
 
@@ -105,7 +106,7 @@ def _after_transformer_imports(tree: ast.Module, path: str) -> int:
     return imports[-1].end_lineno
 
 
-def edit_config(text: str) -> str:
+def edit_config(text: str) -> Editor:
     tree = ast.parse(text)
     ed = Editor(text)
     lines = ed.lines
@@ -152,7 +153,10 @@ def _enclosing_function(root, target):
     return best
 
 
-def edit_mtp(text: str) -> str:
+def edit_mtp(text: str) -> Editor:
+    """The metrics logging in ``track_mtp_metrics``; in ``process_mtp_loss`` (where the tree has
+    it) a ``main_logits_target`` parameter and the dispatch to the TV losses; the check of
+    Megatron's arguments first in ``MultiTokenPredictionBlock.__init__``."""
     tree = ast.parse(text)
     ed = Editor(text)
     helper = _find_class(tree, 'MTPLossLoggingHelper')
@@ -168,13 +172,27 @@ def edit_mtp(text: str) -> str:
         missing = {'hidden_states', 'config', 'is_training'} - set(params)
         if missing:
             raise PatchError(f'{MTP_FILE}: process_mtp_loss lacks {sorted(missing)}')
+        last = (fn.args.args + fn.args.kwonlyargs)[-1]
+        if fn.args.vararg or fn.args.kwarg or not (
+            ed.lines[last.lineno - 1].rstrip().endswith(',')
+            and ed.lines[last.lineno].startswith(')')
+        ):
+            raise PatchError(f'{MTP_FILE}:{fn.lineno}: process_mtp_loss does not list one '
+                             'parameter per line, the last followed by `) -> ...`')
+        ed.insert(last.lineno, snippet_process_mtp_loss_param())
         ed.insert(_after_docstring(fn), snippet_process_mtp_loss(params))
+    block = _find_class(tree, 'MultiTokenPredictionBlock')
+    init = _find_function(block.body, '__init__')
+    if init is None or [a.arg for a in init.args.args[:2]] != ['self', 'config']:
+        raise PatchError(f'{MTP_FILE}: MultiTokenPredictionBlock.__init__(self, config, ...) not found')
+    ed.insert(_after_docstring(init), snippet_block_args_check())
     return ed
 
 
-def edit_gpt(text: str) -> str:
-    """The import and the decorator of ``GPTModel._postprocess`` (every tree), and the dispatch
-    before the inline MTP loss branch inside it (radixark miles-main)."""
+def edit_gpt(text: str) -> Editor:
+    """In ``GPTModel._postprocess``: its :class:`MainLogitsTarget` first, handed to the MTP loss
+    (the ``process_mtp_loss`` call, or the dispatch before radixark miles-main's inline branch)
+    and given the logits of each main-head projection."""
     tree = ast.parse(text)
     ed = Editor(text)
     for node in tree.body:
@@ -183,31 +201,55 @@ def edit_gpt(text: str) -> str:
                              'already patched?')
     ed.insert(_after_transformer_imports(tree, GPT_FILE), snippet_gpt_import())
 
-    post = _find_function(_find_class(tree, 'GPTModel').body, '_postprocess')
+    post = _postprocess(text)
     if post is None:
-        raise PatchError(f'{GPT_FILE}: GPTModel has no _postprocess (for @{MAIN_LOGITS_DECORATOR})')
-    def_line = ed.lines[post.lineno - 1]
-    if not def_line.startswith('    def _postprocess('):
-        raise PatchError(f'{GPT_FILE}:{post.lineno}: GPTModel._postprocess not defined as '
-                         f'expected: {def_line!r}')
-    # above its decorators, if it has any: outermost, it wraps _postprocess as they leave it
-    first = min([d.lineno for d in post.decorator_list] + [post.lineno])
-    ed.insert(first - 1, snippet_postprocess_decorator())
+        raise PatchError(f'{GPT_FILE}: GPTModel has no _postprocess')
+    params = [a.arg for a in post.args.args]
+    ed.insert(_after_docstring(post), snippet_postprocess_target('output_processor' in params))
 
     node = _inline_if(text)
     if node is None:
-        return ed
-    line = ed.lines[node.lineno - 1]
-    if line.strip() != f'if {INLINE_CONDITION}:' or not line.startswith('        if'):
-        raise PatchError(f'{GPT_FILE}:{node.lineno}: inline MTP branch not on one line: {line!r}')
-    index = node.lineno - 1
-    # keep the comment that introduces the branch right above it
-    while ed.lines[index - 1].strip().startswith('#'):
-        index -= 1
-    before, replace = snippet_inline_gpt()
-    ed.insert(index, before)
-    ed.replace(node.lineno - 1, replace)
+        ed.insert(_last_argument_line(ed, post), snippet_call_kwarg())
+    else:
+        line = ed.lines[node.lineno - 1]
+        if line.strip() != f'if {INLINE_CONDITION}:' or not line.startswith('        if'):
+            raise PatchError(f'{GPT_FILE}:{node.lineno}: inline MTP branch not on one line: {line!r}')
+        index = node.lineno - 1
+        # keep the comment that introduces the branch right above it
+        while ed.lines[index - 1].strip().startswith('#'):
+            index -= 1
+        before, replace = snippet_inline_gpt()
+        ed.insert(index, before)
+        ed.replace(node.lineno - 1, replace)
+
+    projections = main_logits_projections(post)
+    if not projections:
+        raise PatchError(f'{GPT_FILE}: GPTModel._postprocess has no `logits, _ = self.output_layer(...)`')
+    for statement in projections:
+        ed.insert(statement.end_lineno, snippet_attach(statement.col_offset))
     return ed
+
+
+def _last_argument_line(ed: Editor, post) -> int:
+    """0-based index of the closing line of ``_postprocess``'s ``process_mtp_loss(...)`` call,
+    where the ``main_logits_target`` argument goes (after its keyword arguments, one per line)."""
+    calls = [
+        n for n in ast.walk(post)
+        if isinstance(n, ast.Call) and ast.unparse(n.func) == 'process_mtp_loss'
+    ]
+    if len(calls) != 1:
+        raise PatchError(f'{GPT_FILE}: GPTModel._postprocess calls process_mtp_loss {len(calls)} '
+                         'times (expected once)')
+    call = calls[0]
+    last = call.keywords[-1] if call.keywords else None
+    if (
+        call.args or last is None or ed.lines[call.end_lineno - 1].strip() != ')'
+        or not ed.lines[last.end_lineno - 1].startswith(CALL_KWARG_INDENT + last.arg + '=')
+        or not ed.lines[last.end_lineno - 1].rstrip().endswith(',')
+    ):
+        raise PatchError(f'{GPT_FILE}:{call.lineno}: the process_mtp_loss call does not pass '
+                         f'keyword arguments one per line at {len(CALL_KWARG_INDENT)} spaces')
+    return call.end_lineno - 1
 
 
 def megatron_edits(files: Dict[str, str]) -> Dict[str, Editor]:

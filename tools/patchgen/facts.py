@@ -26,6 +26,11 @@ class Facts:
     tracker_api: Tuple[str, ...]
     """``(method, *parameters)`` of the ``MTPLossLoggingHelper`` method the metrics record the
     per-depth loss with (``save_metrics_to_tracker``, else ``save_loss_to_tracker``)."""
+    postprocess_output_processor: bool
+    """Whether ``GPTModel._postprocess`` takes an ``output_processor`` (no main logits then)."""
+    main_logits_projections: Tuple[int, ...]
+    """The indentation of each ``logits, _ = self.output_layer(...)`` of ``GPTModel._postprocess``
+    (the main head's projections; the deferred MTP loss attaches to the first that runs)."""
 
 
 
@@ -64,12 +69,37 @@ def derive_facts(files: Dict[str, str]) -> Facts:
             if method is not None:
                 tracker_api = (name,) + _params(method)
                 break
+    post = _postprocess(files[GPT_FILE])
     return Facts(
         process_mtp_loss_params=None if fn is None else _params(fn),
         inline_gpt_loss=_inline_if(files[GPT_FILE]) is not None,
         roll_tensor_params=() if roll is None else _params(roll),
         tracker_api=tracker_api,
+        postprocess_output_processor=post is not None and 'output_processor' in _params(post),
+        main_logits_projections=tuple(
+            node.col_offset for node in main_logits_projections(post)
+        ) if post is not None else (),
     )
+
+
+def _postprocess(text: str):
+    """``GPTModel._postprocess`` of gpt_model.py's source (None if it has none)."""
+    return _find_function(_find_class(ast.parse(text), 'GPTModel').body, '_postprocess')
+
+
+def main_logits_projections(post) -> List[ast.Assign]:
+    """The ``logits, _ = self.output_layer(...)`` statements of ``_postprocess``, in file order."""
+    found = []
+    for node in ast.walk(post):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and ast.unparse(node.value.func) == 'self.output_layer'
+            and isinstance(node.targets[0], ast.Tuple)
+            and ast.unparse(node.targets[0].elts[0]) == 'logits'
+        ):
+            found.append(node)
+    return sorted(found, key=lambda n: n.lineno)
 
 
 def fact_problems(facts: Facts) -> List[str]:
@@ -94,6 +124,9 @@ def fact_problems(facts: Facts) -> List[str]:
         problems.append(f'{MTP_FILE} has no roll_tensor')
     else:
         problems.append(checks['roll_tensor_problem'](facts.roll_tensor_params))
+    if not facts.main_logits_projections:
+        problems.append(f'{GPT_FILE}: GPTModel has no _postprocess with a main-head projection '
+                        '`logits, _ = self.output_layer(...)`')
     if not facts.tracker_api:
         problems.append(checks['tracker_problem']({}))
     else:
@@ -102,8 +135,7 @@ def fact_problems(facts: Facts) -> List[str]:
 
 
 def _inline_if(text: str) -> Optional[ast.If]:
-    tree = ast.parse(text)
-    post = _find_function(_find_class(tree, 'GPTModel').body, '_postprocess')
+    post = _postprocess(text)
     if post is None:
         return None
     for node in ast.walk(post):

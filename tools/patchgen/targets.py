@@ -59,6 +59,7 @@ TARGETS: Dict[str, Target] = {
             facts=Facts(
                 process_mtp_loss_params=_UPSTREAM_PARAMS, inline_gpt_loss=False,
                 roll_tensor_params=_ROLL_ONE, tracker_api=_TRACKER_METRICS,
+                postprocess_output_processor=True, main_logits_projections=(8,),
             ),
             file_sha256={
                 CONFIG_FILE: '3b0843377e6c827b1e2e389edec30392d3c288ab5c58d168167d0c85a26949ee',
@@ -72,6 +73,7 @@ TARGETS: Dict[str, Target] = {
             facts=Facts(
                 process_mtp_loss_params=None, inline_gpt_loss=True,
                 roll_tensor_params=_ROLL_ONE, tracker_api=_TRACKER_LOSS,
+                postprocess_output_processor=False, main_logits_projections=(12, 12),
             ),
             commit='36ceb4fc0462c49e15fd80fd3ef08a852a0672f5',
         ),
@@ -81,6 +83,7 @@ TARGETS: Dict[str, Target] = {
             facts=Facts(
                 process_mtp_loss_params=_MILES_MAIN_PARAMS, inline_gpt_loss=True,
                 roll_tensor_params=_ROLL_ONE, tracker_api=_TRACKER_LOSS,
+                postprocess_output_processor=False, main_logits_projections=(12, 12),
             ),
             commit='2e64d788b67fe8155774200c87606e1e449c494b',
         ),
@@ -91,6 +94,7 @@ TARGETS: Dict[str, Target] = {
             facts=Facts(
                 process_mtp_loss_params=_UPSTREAM_PARAMS + ('sequence_roll_context',),
                 inline_gpt_loss=False, roll_tensor_params=_ROLL_LIST, tracker_api=_TRACKER_METRICS,
+                postprocess_output_processor=True, main_logits_projections=(12, 12),
             ),
             commit='235952df607b3820716e5e67728a5ab470ca33ae',
         ),
@@ -101,6 +105,7 @@ TARGETS: Dict[str, Target] = {
             facts=Facts(
                 process_mtp_loss_params=_UPSTREAM_PARAMS, inline_gpt_loss=False,
                 roll_tensor_params=_ROLL_ONE + ('return_sum',), tracker_api=_TRACKER_METRICS,
+                postprocess_output_processor=True, main_logits_projections=(8,),
             ),
             commit='d98e8a64ddf34856e74b24714e3bedb2f5a39553',
             repo='NVIDIA/Megatron-LM',
@@ -111,6 +116,7 @@ TARGETS: Dict[str, Target] = {
             facts=Facts(
                 process_mtp_loss_params=_UPSTREAM_PARAMS + ('sequence_roll_context',),
                 inline_gpt_loss=False, roll_tensor_params=_ROLL_LIST, tracker_api=_TRACKER_METRICS,
+                postprocess_output_processor=True, main_logits_projections=(12, 12),
             ),
             commit='d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1',
             repo='NVIDIA/Megatron-LM',

@@ -1,0 +1,74 @@
+"""Patch mode: run this checkout's tests and tools against a patched Megatron tree instead of
+the plugin.
+
+With ``MTP_TV_MODE=patch`` and ``MTP_TV_TREE=<root of a tree patched with patches/*.patch>``
+(``tools/run_patched_suite.py`` sets both), :func:`activate` (called by ``tests/conftest.py``
+before any test module is imported, and by ``tools/verify_patched_tree.py``):
+
+* puts the tree first on ``sys.path`` and checks that ``megatron.core`` comes from it;
+* makes ``megatron.mtp_tv`` and every ``megatron.mtp_tv.<module>`` the *tree's*
+  ``megatron.core.transformer.mtp_tv`` modules (same objects in ``sys.modules``), so tests written
+  against ``megatron.mtp_tv`` exercise the code the patch installed, never this checkout's
+  copy of the package;
+* leaves ``mtp_tv_dev`` (test and demo support, never shipped) as it is: this checkout's;
+* turns ``install()`` into a no-op: the patched tree has the feature natively, nothing is
+  monkey-patched into megatron-core.
+
+Tests that only make sense for the plugin are marked ``@pytest.mark.plugin_only`` and skipped
+(``tests/patch_mode.py``).
+"""
+
+import importlib
+import os
+import pkgutil
+import sys
+from pathlib import Path
+
+MODE_ENV = 'MTP_TV_MODE'
+TREE_ENV = 'MTP_TV_TREE'
+NATIVE = 'megatron.core.transformer.mtp_tv'
+
+
+def active() -> bool:
+    """Whether the suite runs in patch mode."""
+    return os.environ.get(MODE_ENV, 'plugin') == 'patch'
+
+
+def _within(path, root: Path) -> bool:
+    return Path(path).resolve().is_relative_to(root.resolve())
+
+
+def activate() -> Path:
+    """Switch this process to the patched tree in ``$MTP_TV_TREE``; returns the tree."""
+    tree = Path(os.environ[TREE_ENV]).resolve()
+    if not (tree / NATIVE.replace('.', '/') / '__init__.py').exists():
+        raise RuntimeError(f'{TREE_ENV}={tree} is not a patched tree (no {NATIVE})')
+    if any(name == 'megatron.mtp_tv' or name.startswith('megatron.mtp_tv.') for name in sys.modules):
+        raise RuntimeError('megatron.mtp_tv was imported from the checkout before patch mode')
+    sys.path.insert(0, str(tree))
+    import megatron.core
+
+    if not _within(megatron.core.__file__, tree):
+        raise RuntimeError(f'megatron.core comes from {megatron.core.__file__}, not from {tree}')
+
+    native = importlib.import_module(NATIVE)
+    sys.modules['megatron.mtp_tv'] = native
+    megatron.mtp_tv = native
+    for info in pkgutil.iter_modules(native.__path__):
+        try:
+            module = importlib.import_module(f'{NATIVE}.{info.name}')
+        except ImportError:  # an optional backend (e.g. triton) missing: tests skip it anyway
+            continue
+        sys.modules[f'megatron.mtp_tv.{info.name}'] = module
+
+    def install() -> None:
+        """No-op: the patched tree has the MTP TV losses natively."""
+
+    native.install = install
+    native.is_installed = lambda: False
+    return tree
+
+
+def implementation_file(module) -> Path:
+    """Where a ``megatron.mtp_tv`` module was loaded from (for tests that assert the mode)."""
+    return Path(module.__file__).resolve()
