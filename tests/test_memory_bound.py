@@ -1,7 +1,7 @@
-"""Peak memory of every TV loss on Megatron's MTP path at most the cross-entropy path's, measured
-over a grid of shapes that covers both gradient storages (dense at long sequences, stored logit
-gradients where the tokens are few next to the hidden size), one and three depths, the target
-from the main logits and the own projection.
+"""Peak memory of every TV loss (and of 'ce' with mtp_ce_chunked) on Megatron's MTP path at most
+the cross-entropy path's, measured over a grid of shapes that covers both gradient storages
+(dense at long sequences, stored logit gradients where the tokens are few next to the hidden
+size), one and three depths, the target from the main logits and the own projection.
 
 Measured with the benchmark's CPU instruments (tools/lossbench/memory.py): the peak of the bytes
 allocated during one forward+backward above what existed before, both sides in the same process.
@@ -42,6 +42,10 @@ def test_peak_is_at_most_the_cross_entropy_paths(hidden, tokens, depths):
     assert f'{tv_type}-own' in peaks  # the fallback is measured too
     over = {name: peak - ce for name, peak in peaks.items() if peak > ce + SLACK_BYTES}
     assert not over, (over, ce)
+    # 'ce' through the chunked sweep (mtp_ce_chunked): where CE's peak is its logits (the
+    # G * tokens rows it keeps at least twice the [V, h] weight gradient), at most half of it.
+    if depths * tokens >= 2 * hidden:
+        assert peaks['ce-chunked'] <= 0.5 * ce, (peaks['ce-chunked'], ce)
 
 
 def test_the_grid_covers_both_gradient_storages():

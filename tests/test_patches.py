@@ -186,16 +186,22 @@ def test_an_already_patched_config_is_refused_whatever_the_field():
         edits.edit_config(text)
 
 
-def test_patched_dispatch_keeps_every_cross_entropy_name_on_megatrons_code():
-    """'cross_entropy' (upstream's name) must take the 'ce' branch in every patched tree."""
-    from megatron.mtp_tv.config import CROSS_ENTROPY_NAMES
+def test_patched_dispatch_asks_the_package_which_code_computes_the_loss():
+    """Every patch dispatches with the shipped ``runs_megatron_ce`` (both cross-entropy names on
+    Megatron's code, unless mtp_ce_chunked), never with a comparison of its own."""
+    from megatron.mtp_tv.config import CROSS_ENTROPY_NAMES, MTPLossConfig, runs_megatron_ce
 
-    assert package.cross_entropy_names() == CROSS_ENTROPY_NAMES
+    for loss_type in CROSS_ENTROPY_NAMES:
+        assert runs_megatron_ce(MTPLossConfig(mtp_loss_type=loss_type))
+        assert not runs_megatron_ce(MTPLossConfig(mtp_loss_type=loss_type, mtp_ce_chunked=True))
+    assert not runs_megatron_ce(MTPLossConfig(mtp_loss_type='tv'))
     for name, target in sorted(targets.TARGETS.items()):
-        added = '\n'.join(line for line in target.patch_path.read_text().split('\n')
-                          if line.startswith('+') and 'mtp_loss_type' in line)
-        assert "!= 'ce'" not in added and "== 'ce'" not in added, name
-        assert f'mtp_loss_type not in {CROSS_ENTROPY_NAMES!r}' in added, name
+        text = target.patch_path.read_text()
+        added = [line[1:] for path in (layout.MTP_FILE, layout.GPT_FILE)
+                 for line in _section(text, path) if line.startswith('+')]
+        code = [line.split('#')[0] for line in added]
+        assert any('runs_megatron_ce(' in line and 'import' not in line for line in code), name
+        assert not any('mtp_loss_type' in line for line in code), name
 
 
 MAIN_LOGITS_IMPORT = f'from {layout.TARGET_MODULE}.main_logits import MainLogitsTarget'

@@ -25,15 +25,17 @@ MAX_RATIO = 2.0
 #: model dtype, and the logit gradients stored for backward in the model dtype. The longer runs
 #: (whose point is the token count: the normalisation fp16 must not flush) use the first alone.
 ALL_PATHS = grad_precision.VARIANTS
+#: 'ce' with mtp_ce_chunked, held to the same bar as every other loss.
+CHUNKED_CE = grad_precision.CHUNKED_CE
 
 
 @pytest.mark.parametrize(
     'dtype,tokens,losses,variants',
     [
-        ('fp16', 1024, tuple(LOSSES), ALL_PATHS),
-        ('fp16', 8192, ('tv', 'nla'), ('own',)),
-        ('bf16', 1024, tuple(LOSSES), ALL_PATHS),
-        ('bf16', 4096, ('tv', 'nla'), ('own',)),
+        ('fp16', 1024, tuple(LOSSES) + (CHUNKED_CE,), ALL_PATHS),
+        ('fp16', 8192, ('tv', 'nla', CHUNKED_CE), ('own',)),
+        ('bf16', 1024, tuple(LOSSES) + (CHUNKED_CE,), ALL_PATHS),
+        ('bf16', 4096, ('tv', 'nla', CHUNKED_CE), ('own',)),
     ],
 )
 @pytest.mark.slow

@@ -68,6 +68,9 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 #: the dense fp32 weight gradient (what wide models at short sequences get).
 VARIANTS = ('own', 'main_logits', 'logit_grads')
 
+#: The name :func:`measure` gives ``'ce'`` computed by the package (``mtp_ce_chunked``).
+CHUNKED_CE = 'ce_chunked'
+
 
 def package_loss_error(loss_type, draft, main, weight, mask, loss_scale, chunk=0, variant='own'):
     """Relative errors (draft, weight) of ``linear_tv_loss`` in the inputs' dtype."""
@@ -102,6 +105,34 @@ def package_loss_error(loss_type, draft, main, weight, mask, loss_scale, chunk=0
     )
 
 
+def chunked_ce_error(draft, weight, mask, labels, loss_scale, variant='own'):
+    """Relative errors (draft, weight) of the package's cross-entropy (``mtp_ce_chunked``) in the
+    inputs' dtype, against the float64 cross-entropy; ``variant`` ``'logit_grads'`` keeps the
+    logit gradients for backward in the model dtype (``'own'``: the dense fp32 gradients; no
+    target is read, so ``'main_logits'`` is ``'own'``)."""
+    from megatron.mtp_tv.linear_tv import linear_tv_loss
+    from megatron.mtp_tv.losses import CrossEntropy
+
+    d, w = draft.clone().requires_grad_(), weight.clone().requires_grad_()
+    token_weights = (mask * (SCALE / mask.sum()))[None, :, None]
+    out = linear_tv_loss(d[None], None, w, token_weights, loss_type=CrossEntropy(),
+                         labels=labels[None, :, None],
+                         grad_storage='logit_grads' if variant == 'logit_grads' else 'dense')
+    (out.loss * loss_scale).backward()
+    d64, w64 = draft.double().requires_grad_(), weight.double().requires_grad_()
+    _float64_ce(d64, w64, mask, labels).backward()
+    return (
+        relative_error(d.grad.float() / loss_scale, d64.grad),
+        relative_error(w.grad.float() / loss_scale, w64.grad),
+    )
+
+
+def _float64_ce(d64, w64, mask, labels):
+    logits64 = d64[:, 0] @ w64.t()
+    ce64 = torch.logsumexp(logits64, -1) - logits64.gather(1, labels[:, None])[:, 0]
+    return SCALE * (mask.double() * ce64).sum() / mask.sum()
+
+
 def megatron_ce_error(draft, weight, mask, labels, loss_scale):
     """Relative errors (draft, weight) of Megatron's MTP cross-entropy path in the inputs' dtype."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -112,9 +143,7 @@ def megatron_ce_error(draft, weight, mask, labels, loss_scale):
     loss = SCALE * (mask * ce).sum() / mask.sum()
     (loss * loss_scale).backward()
     d64, w64 = draft.double().requires_grad_(), weight.double().requires_grad_()
-    logits64 = d64[:, 0] @ w64.t()
-    ce64 = torch.logsumexp(logits64, -1) - logits64.gather(1, labels[:, None])[:, 0]
-    (SCALE * (mask.double() * ce64).sum() / mask.sum()).backward()
+    _float64_ce(d64, w64, mask, labels).backward()
     return (
         relative_error(d.grad.float() / loss_scale, d64.grad),
         relative_error(w.grad.float() / loss_scale, w64.grad),
@@ -124,7 +153,9 @@ def megatron_ce_error(draft, weight, mask, labels, loss_scale):
 def measure(dtype_name: str, tokens: int, losses, hidden: int = 128, vocab: int = 4096, seed: int = 0,
             cold: bool = False, variants=('own',)):
     """``{name: (draft_error, weight_error)}`` for ``'ce'`` and every loss in ``losses``: keyed
-    by the loss name for the ``'own'`` variant, ``'<loss>/<variant>'`` for the others."""
+    by the loss name for the ``'own'`` variant, ``'<loss>/<variant>'`` for the others.
+    ``'ce_chunked'`` in ``losses`` is ``'ce'`` with ``mtp_ce_chunked`` (its variants: ``'own'``,
+    ``'logit_grads'``)."""
     from mtp_tv_dev.distributed import single_process
 
     dtype, loss_scale = DTYPES[dtype_name], LOSS_SCALES[dtype_name]
@@ -134,6 +165,10 @@ def measure(dtype_name: str, tokens: int, losses, hidden: int = 128, vocab: int 
     for loss_type in losses:
         for variant in variants:
             name = loss_type if variant == 'own' else f'{loss_type}/{variant}'
+            if loss_type == CHUNKED_CE:
+                if variant != 'main_logits':  # no target: the same run as 'own'
+                    results[name] = chunked_ce_error(draft, weight, mask, labels, loss_scale, variant)
+                continue
             results[name] = package_loss_error(
                 loss_type, draft, main, weight, mask, loss_scale, variant=variant
             )
@@ -144,7 +179,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--tokens', default='1024,4096,8192')
     parser.add_argument('--dtypes', default='bf16,fp16')
-    parser.add_argument('--losses', default='tv,e2e_tv,kl,lk,nla')
+    parser.add_argument('--losses', default='tv,e2e_tv,kl,lk,nla,' + CHUNKED_CE,
+                        help=f"loss types; {CHUNKED_CE}: 'ce' with mtp_ce_chunked")
     parser.add_argument('--hidden', type=int, default=128)
     parser.add_argument('--vocab', type=int, default=4096)
     parser.add_argument('--cold', action='store_true', help="a fresh head's draft (see make_inputs)")

@@ -32,8 +32,16 @@ MTP_LOSS_TYPES: tuple = CROSS_ENTROPY_NAMES + tuple(LOSSES)
 
 
 def is_cross_entropy(loss_type: str) -> bool:
-    """Whether ``loss_type`` selects Megatron's own cross-entropy MTP loss."""
+    """Whether ``loss_type`` selects the cross-entropy MTP loss (Megatron's code, or chunked)."""
     return loss_type in CROSS_ENTROPY_NAMES
+
+
+def runs_megatron_ce(config) -> bool:
+    """Whether Megatron's own code computes this config's MTP loss: ``'ce'`` without
+    ``mtp_ce_chunked``. Every other config goes to ``process_mtp_tv_loss``."""
+    return is_cross_entropy(getattr(config, 'mtp_loss_type', 'ce')) and not getattr(
+        config, 'mtp_ce_chunked', False
+    )
 
 
 # BEGIN MTP_TV FIELDS (copied verbatim into TransformerConfig by tools/make_patches.py)
@@ -43,7 +51,8 @@ class MTPLossConfig:
 
     mtp_loss_type: Literal['ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk', 'nla'] = 'ce'
     """Training objective of the Multi-Token Prediction (MTP) heads.
-    'ce' (alias 'cross_entropy'): cross-entropy against the data labels (Megatron's original loss).
+    'ce' (alias 'cross_entropy'): cross-entropy against the data labels (Megatron's original loss;
+    mtp_ce_chunked computes it at bounded memory).
     'tv': per-depth total variation 1 - sum_v min(p, q_k) between the main model's detached
     next-token distribution p and the depth-k draft distribution q_k; 1 - TV is the
     rejection-sampling acceptance rate, so this trains the heads for speculative decoding.
@@ -59,7 +68,8 @@ class MTPLossConfig:
     d alpha_k, kept alive below the 1e-5 floor (where the value is constant), not clamped to 0."""
 
     mtp_tv_chunk: int = 0
-    """Tokens per chunk for the 'tv', 'e2e_tv', 'kl', 'lk' and 'nla' losses. Draft and target
+    """Tokens per chunk for the 'tv', 'e2e_tv', 'kl', 'lk' and 'nla' losses (and 'ce' with
+    mtp_ce_chunked). Draft and target
     logits exist for one chunk at a time, so the extra memory of the MTP loss is
     O(chunk * vocab / tp) whatever the sequence length. 0 (default): automatic, the live fp32
     logits of a chunk are at most the larger of the [vocab / tp, hidden] fp32 weight gradient and
@@ -84,13 +94,13 @@ class MTPLossConfig:
     same numbers up to rounding, for comparison and debugging)."""
 
     mtp_tv_backward: Literal['fused', 'recompute'] = 'fused'
-    """How every loss but 'ce' forms its gradients. 'fused' (default): in the forward pass, chunk
+    """How every loss but Megatron's own 'ce' forms its gradients. 'fused' (default): in the forward pass, chunk
     by chunk, keeping for backward the smaller of the fp32 gradients and the logit gradients.
     'recompute': keep only the inputs and run the chunked loss again in backward (the projections
     twice, slower; the same numbers up to the order of summation, for debugging)."""
 
     mtp_tv_kernels: Literal['auto', 'torch', 'triton'] = 'auto'
-    """Row kernels of every loss but 'ce' (softmax, overlap, KL and logit gradient of each row over
+    """Row kernels of every loss but Megatron's own 'ce' (softmax, overlap, KL and logit gradient of each row over
     the vocabulary). 'auto' (default): the Triton kernels on CUDA fp32 logits, torch elsewhere;
     'torch': always torch; 'triton': require Triton (an error naming why it cannot run)."""
 
@@ -99,6 +109,14 @@ class MTPLossConfig:
     accepted draft tokens per verify step, greedy agreement with the main model) with
     mtp_loss_type='ce' too. Always on for the other loss types. Costs one extra projection of
     the main hidden states per chunk, without gradients."""
+
+    mtp_ce_chunked: bool = False
+    """Compute mtp_loss_type='ce' in the chunked loss of the other types instead of Megatron's
+    code: the same cross-entropy against the data labels (to fp32 rounding), with one chunk of
+    logits live at a time (mtp_tv_chunk) and the gradients formed in the forward pass, where
+    Megatron's path keeps the [s, b, vocab / tp] fp32 logits of every depth for backward. Needs
+    mtp_num_layers >= 1 and mtp_tv_temperature=1 (cross-entropy is at temperature 1); with
+    mtp_log_acceptance the metrics come from the same chunks."""
 # END MTP_TV FIELDS
 
 
@@ -170,10 +188,28 @@ def validate_mtp_loss_config(config) -> None:
                 f"{env}={os.environ[env]!r} is set, but this environment variable is no longer read: "
                 f"set the config field {field} (--{field.replace('_', '-')}) instead and unset {env}."
             )
-    log_acceptance = getattr(config, 'mtp_log_acceptance', False)
-    if not isinstance(log_acceptance, bool):
-        raise ValueError(f"mtp_log_acceptance={log_acceptance!r} must be True or False.")
+    for flag in ('mtp_log_acceptance', 'mtp_ce_chunked'):
+        value = getattr(config, flag, False)
+        if not isinstance(value, bool):
+            raise ValueError(f"{flag}={value!r} must be True or False.")
     num_layers = getattr(config, 'mtp_num_layers', None)
+    if getattr(config, 'mtp_ce_chunked', False):
+        if not is_cross_entropy(loss_type):
+            raise ValueError(
+                f"mtp_ce_chunked=True computes mtp_loss_type='ce' in chunks, but mtp_loss_type="
+                f"{loss_type!r} (always chunked); set mtp_loss_type='ce' or mtp_ce_chunked=False."
+            )
+        if temperature != 1.0:
+            raise ValueError(
+                f"mtp_ce_chunked=True with mtp_tv_temperature={temperature!r}: cross-entropy is at "
+                "temperature 1 and the chunks are normalised once; set mtp_tv_temperature=1.0, or "
+                "mtp_ce_chunked=False to log the acceptance metrics at another temperature."
+            )
+        if not num_layers:
+            raise ValueError(
+                f"mtp_ce_chunked=True trains MTP heads, but mtp_num_layers={num_layers!r}; set "
+                "mtp_num_layers >= 1."
+            )
     if not is_cross_entropy(loss_type) and not num_layers:
         raise ValueError(
             f"mtp_loss_type={loss_type!r} trains MTP heads, but mtp_num_layers={num_layers!r}; "

@@ -77,8 +77,9 @@ class TVLossResult(NamedTuple):
 
     loss: torch.Tensor
     """Scalar (fp32), the weighted objective; differentiable w.r.t. draft_hidden and weight."""
-    alpha: torch.Tensor
-    """``[G, s, b]`` fp32, detached: the acceptance probability of every depth and position."""
+    alpha: Optional[torch.Tensor]
+    """``[G, s, b]`` fp32, detached: the acceptance probability of every depth and position
+    (None for cross-entropy without a target)."""
     greedy_correct: Optional[torch.Tensor]
     """``[G, s, b]`` bool, detached: whether the draft argmax equals the label (if labels given)."""
     per_depth: Optional[torch.Tensor] = None
@@ -100,22 +101,30 @@ AUTO_CHUNK_MIN_BYTES = 64 * 2**20
 AUTO_CHUNK_WEIGHT_GRADS = 2
 
 
-def auto_chunk_tokens(num_tokens: int, depths: int, hidden: int, vocab_local: int) -> int:
+def auto_chunk_tokens(num_tokens: int, depths: int, hidden: int, vocab_local: int,
+                      target_rows: bool = True) -> int:
     """The chunk :func:`linear_tv_loss` uses for ``chunk_size=0``, in tokens.
 
-    Live fp32 logits of a chunk are ``(depths + 1) * chunk`` rows of ``vocab_local`` (= V/tp).
-    The rule keeps them at most the larger of :data:`AUTO_CHUNK_WEIGHT_GRADS` (2) times the
-    ``[V/tp, hidden]`` fp32 weight gradient the fused path holds anyway and
-    :data:`AUTO_CHUNK_MIN_BYTES` (64 MiB), and at most half of the ``depths * num_tokens`` rows
-    of softmax that Megatron's cross-entropy path saves for the same tokens
-    (``chunk <= depths * num_tokens / (2 (depths + 1))``), so the loss never peaks above that
-    path at any sequence length.
+    Live fp32 logits of a chunk are ``r * chunk`` rows of ``vocab_local`` (= V/tp), with
+    ``r = depths + 1`` (every depth's draft rows and the shared target rows), or ``r = depths``
+    without target rows (cross-entropy against the labels, ``target_rows=False``). The rule
+    keeps ``(depths + 1) * chunk`` rows at most the larger of :data:`AUTO_CHUNK_WEIGHT_GRADS` (2)
+    times the ``[V/tp, hidden]`` fp32 weight gradient the fused path holds anyway and
+    :data:`AUTO_CHUNK_MIN_BYTES` (64 MiB), and the ``r * chunk`` live rows at most half of the
+    ``depths * num_tokens`` rows of softmax that Megatron's cross-entropy path saves for the same
+    tokens (``chunk <= depths * num_tokens / (2 r)``), so the loss never peaks above that path at
+    any sequence length. The first bound counts ``depths + 1`` rows per token for every loss:
+    without target rows it leaves a chunk at half of that budget, which holds cross-entropy's
+    peak to about half of Megatron's where its logits dominate (the ``ce`` rows of
+    ``tools/bench_loss.py``), while the second lets it run longer chunks (fewer, larger matrix
+    products) where they do not, at few tokens next to the hidden size.
     """
+    rows_per_token = depths + 1 if target_rows else depths
     budget_rows = max(
         AUTO_CHUNK_WEIGHT_GRADS * hidden, AUTO_CHUNK_MIN_BYTES // (4 * max(1, vocab_local))
     )
     per_budget = budget_rows // (depths + 1)
-    per_ce = depths * num_tokens // (2 * (depths + 1))
+    per_ce = depths * num_tokens // (2 * rows_per_token)
     return max(1, min(per_budget, per_ce))
 
 
@@ -163,7 +172,8 @@ def linear_tv_loss(
         draft_hidden: ``[G, s, b, h]`` hidden states of the G MTP depths (TP-replicated).
         target_hidden: ``[s, b, h]`` main-model hidden states (after the final norm); detached
             here. Row ``t + k + 1`` (within a segment) is the target of depth k at position t.
-            May be None when ``target_logits`` is given.
+            May be None when ``target_logits`` is given, or for a loss against the labels
+            (:class:`~.losses.CrossEntropy`), which then computes no overlaps.
         weight: ``[V/tp, h]`` output-layer weight shard.
         token_weights: loss weights, mask and normalisation included: ``[G, s, b]``, or
             ``[s, b]`` (one weight per chain) for ``'e2e_tv'``.
@@ -175,9 +185,12 @@ def linear_tv_loss(
         logits_fn: optional elementwise function applied to the logits (e.g. MuP scaling); it may
             return its input unchanged but must not modify it in place.
         segments: see :class:`TargetSegment`; default one segment over the whole sequence.
-        labels: optional ``[G, s, b]`` token ids for greedy-accuracy counts.
+        labels: ``[G, s, b]`` token ids: for greedy-accuracy counts (optional), and the
+            targets of a loss against the labels (required there; ids outside ``[0, V)`` count
+            as Megatron's cross-entropy counts them: a label logit of 0).
         fused: compute gradients during forward (default) or recompute chunks in backward.
-        temperature: verification temperature T > 0: p and q are softmax(logits / T).
+        temperature: verification temperature T > 0: p and q are softmax(logits / T). 1 for
+            a loss against the labels (cross-entropy is at temperature 1).
         metrics: also compute the greedy agreement of draft and target argmax.
         target_logits: optional ``[s, b, V/tp]`` logits of the target rows, i.e. the main head's
             own ``target_hidden @ W^T`` (any dtype; before ``logits_fn`` and temperature, which
@@ -205,6 +218,9 @@ def linear_tv_loss(
                 f"target_logits shape {tuple(target_logits.shape)} does not match "
                 f"[s, b, V/tp] = {(s, b, weight.shape[0])}."
             )
+    elif target_hidden is None and not loss.needs_target:
+        if metrics:
+            raise ValueError(f"metrics compare with a target: {loss.name!r} was given none.")
     elif target_hidden is None or target_hidden.shape != (s, b, h):
         raise ValueError(
             f"target_hidden shape {tuple(target_hidden.shape) if target_hidden is not None else None} "
@@ -220,6 +236,10 @@ def linear_tv_loss(
         )
     if labels is not None and tuple(labels.shape) != (G, s, b):
         raise ValueError(f"labels must have shape {(G, s, b)}, got {tuple(labels.shape)}.")
+    if loss.needs_labels and labels is None:
+        raise ValueError(f"the {loss.name!r} loss is against the labels: labels are required.")
+    if loss.needs_labels and temperature != 1.0:
+        raise ValueError(f"temperature={temperature!r}: the {loss.name!r} loss is at temperature 1.")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 0:
         raise ValueError(f"chunk_size={chunk_size!r} must be an int >= 0.")
     if not (isinstance(temperature, (int, float)) and 0 < temperature < float('inf')):
@@ -230,7 +250,9 @@ def linear_tv_loss(
         raise ValueError(f"grad_storage={grad_storage!r}; expected one of {_GRAD_STORAGES}.")
     if segments is None:
         segments = (TargetSegment(0, s),)
-    tokens = chunk_size if chunk_size > 0 else auto_chunk_tokens(s * b, G, h, weight.shape[0])
+    tokens = chunk_size if chunk_size > 0 else auto_chunk_tokens(
+        s * b, G, h, weight.shape[0], target_rows=target_hidden is not None or target_logits is not None
+    )
     plan = SweepPlan(
         loss=loss,
         positions_per_chunk=max(1, tokens // b),
@@ -243,12 +265,16 @@ def linear_tv_loss(
         target_is_logits=target_logits is not None,
         kernels=kernels,
     )
-    target = (target_logits if target_logits is not None else target_hidden).detach()
+    target = target_logits if target_logits is not None else target_hidden
+    target = target.detach() if target is not None else None
     token_weights = token_weights.detach().float()
     if torch.is_grad_enabled() and (draft_hidden.requires_grad or weight.requires_grad):
         if not fused:
-            # Forward already returns the label hits and the argmax agreement: not again.
-            mode = Recompute(dataclasses.replace(plan, labels=None, metrics=False))
+            # Forward already returns the label hits and the argmax agreement: not again (the
+            # labels stay for a loss against them).
+            mode = Recompute(dataclasses.replace(
+                plan, labels=plan.labels if loss.needs_labels else None, metrics=False
+            ))
         elif grad_storage == 'auto':
             mode = BACKWARD_MODES[choose_grad_storage(
                 G * s * b, h, weight.shape[0], weight.dtype, draft_hidden.requires_grad,

@@ -43,6 +43,8 @@ class LossTerms(NamedTuple):
     """``[G, n]`` coefficient of the TV gradient term, or None."""
     kl_coef: Optional[torch.Tensor]
     """``[G, n]`` coefficient of the KL gradient term, or None."""
+    label_coef: Optional[torch.Tensor] = None
+    """``[G, n]`` coefficient of the label gradient term ``q - e_y``, or None."""
 
 
 class DraftLoss:
@@ -56,6 +58,11 @@ class DraftLoss:
             ``sum_v q_v 1[q_v < p_v]`` it needs).
         row_local: a row's coefficients depend on that row alone, so on a single vocabulary
             shard the gradient can be written in the same pass that computes the row's sums.
+        needs_target: the objective compares each draft row with a target row of the main
+            model (every loss of :data:`LOSSES`); without it the sweep projects no target rows
+            unless the acceptance metrics ask for them.
+        needs_labels: the objective reads each row's data label (its logit and the row's
+            log-normaliser, :class:`CrossEntropy`).
     """
 
     name: str = ''
@@ -63,19 +70,23 @@ class DraftLoss:
     needs_kl: bool = False
     tv_grad: bool = False
     row_local: bool = True
+    needs_target: bool = True
+    needs_labels: bool = False
     config_fields: ClassVar[Dict[str, str]] = {}
     """``{constructor argument: TransformerConfig field}`` of the loss's hyper-parameters."""
     grad_bound: float = 1.0
     """``c`` with ``max_v |dL/dz_v| <= c * w`` per row (dL/dz w.r.t. the logits divided by T); the
     sweep's low-precision gradient scaling relies on it (see the module docstring)."""
 
-    def terms(self, alpha: torch.Tensor, kl: Optional[torch.Tensor], w: torch.Tensor) -> LossTerms:
+    def terms(self, alpha: Optional[torch.Tensor], kl: Optional[torch.Tensor], w: torch.Tensor,
+              nll: Optional[torch.Tensor] = None) -> LossTerms:
         """The chunk's objective and gradient coefficients.
 
         Args:
-            alpha: ``[G, n]`` overlaps of the chunk's rows.
+            alpha: ``[G, n]`` overlaps of the chunk's rows (None without target rows).
             kl: ``[G, n]`` ``KL(p || q)`` per row (when :attr:`needs_kl`), else None.
             w: ``[G, n]`` per-row loss weights (``[n]`` when :attr:`per_chain`).
+            nll: ``[G, n]`` ``log sum_v exp(z_v) - z_y`` per row (when :attr:`needs_labels`).
         """
         tv_coef, kl_coef = self.row_coefficients(alpha, w)
         per_depth = self.per_token(alpha, kl)
@@ -118,7 +129,7 @@ class EndToEndTVLoss(DraftLoss):
     tv_grad = True
     row_local = False
 
-    def terms(self, alpha, kl, w):
+    def terms(self, alpha, kl, w, nll=None):
         G = alpha.shape[0]
         prefix = torch.cat([torch.ones_like(alpha[:1]), alpha[:-1]]).cumprod(0)  # prod_{k<i}
         suffix = [torch.ones_like(alpha[0])]  # 1 + sum_{j>i} prod_{i<k<=j} alpha_k
@@ -199,6 +210,25 @@ class NLALoss(DraftLoss):
 
     def per_token(self, alpha, kl):
         return -torch.log(alpha.clamp(min=NLA_ALPHA_FLOOR))
+
+
+class CrossEntropy(DraftLoss):
+    """Cross-entropy against the data labels, ``log sum_v exp(z_v) - z_y`` per depth: Megatron's
+    own MTP objective computed in the sweep (``mtp_loss_type='ce'`` with ``mtp_ce_chunked``), at
+    the memory of a chunk. ``dL/dz = w (q - e_y)``, so ``|dL/dz_v| <= w`` (``grad_bound = 1``).
+
+    Not in :data:`LOSSES`: it is not an ``mtp_loss_type`` of its own but ``'ce'`` computed
+    another way. No target rows (unless the acceptance metrics ask for them), no temperature:
+    ``z`` are the draft logits as Megatron's cross-entropy sees them.
+    """
+
+    name = 'ce'
+    needs_target = False
+    needs_labels = True
+    row_local = False  # its gradient needs no per-row sums: written after the normaliser
+
+    def terms(self, alpha, kl, w, nll=None):
+        return LossTerms((w * nll).sum(), nll, None, None, label_coef=w)
 
 
 #: The registry: every ``mtp_loss_type`` but cross-entropy, in the order the CLI lists them.

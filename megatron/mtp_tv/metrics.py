@@ -37,7 +37,7 @@ def expected_accepted(alpha: torch.Tensor) -> torch.Tensor:
 
 
 def save_acceptance_to_tracker(
-    alpha: torch.Tensor,
+    alpha: Optional[torch.Tensor],
     masks: torch.Tensor,
     greedy_correct: Optional[torch.Tensor],
     avg_group=None,
@@ -48,7 +48,8 @@ def save_acceptance_to_tracker(
     """Accumulate one micro-batch's acceptance statistics into Megatron's MTP tracker.
 
     Args:
-        alpha: ``[D, s, b]`` per-depth acceptance probabilities.
+        alpha: ``[D, s, b]`` per-depth acceptance probabilities; None: no acceptance statistics
+            (cross-entropy without ``mtp_log_acceptance``), only the loss.
         masks: ``[D, s, b]`` rolled loss masks (1: the depth-k token is scored).
         greedy_correct: ``[D, s, b]`` bool, draft argmax == label, or None.
         avg_group: group the metrics are averaged over (Megatron passes DP x CP).
@@ -57,20 +58,9 @@ def save_acceptance_to_tracker(
         greedy_agreement: ``[D, s, b]`` bool, draft argmax == main-model argmax (None: zeros).
         per_depth_loss: ``[D, s, b]`` per-token objective of each depth (None: ``1 - alpha``).
     """
-    depth = alpha.shape[0]
+    depth = masks.shape[0]
     masks = masks.float()
     count = masks.sum(dim=(1, 2))
-    alpha_sum = (alpha * masks).sum(dim=(1, 2))
-    agree = greedy_agreement.float() if greedy_agreement is not None else torch.zeros_like(alpha)
-    chains = masks.prod(dim=0)
-    stats = torch.cat([
-        alpha_sum, count, (agree * masks).sum(dim=(1, 2)),
-        torch.stack([
-            (expected_accepted(alpha) * chains).sum(),
-            (expected_accepted(agree) * chains).sum(),
-            chains.sum(),
-        ]),
-    ])
     if log_loss:
         per_token = per_depth_loss if per_depth_loss is not None else 1.0 - alpha
         loss_mean = (per_token * masks).sum(dim=(1, 2)) / count.clamp(min=1)
@@ -87,6 +77,19 @@ def save_acceptance_to_tracker(
                 )
             else:  # trees without greedy-acceptance logging (radixark miles-main)
                 helper.save_loss_to_tracker(loss_mean[k], k, depth, avg_group=avg_group)
+    if alpha is None:
+        return
+    alpha_sum = (alpha * masks).sum(dim=(1, 2))
+    agree = greedy_agreement.float() if greedy_agreement is not None else torch.zeros_like(alpha)
+    chains = masks.prod(dim=0)
+    stats = torch.cat([
+        alpha_sum, count, (agree * masks).sum(dim=(1, 2)),
+        torch.stack([
+            (expected_accepted(alpha) * chains).sum(),
+            (expected_accepted(agree) * chains).sum(),
+            chains.sum(),
+        ]),
+    ])
     tracker = _mtp.MTPLossLoggingHelper.tracker
     if STATS not in tracker or tracker[STATS].shape != stats.shape:
         tracker[STATS] = torch.zeros_like(stats)

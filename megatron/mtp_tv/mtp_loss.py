@@ -2,8 +2,9 @@
 
 :func:`process_mtp_tv_loss` takes the arguments of
 ``megatron.core.transformer.multi_token_prediction.process_mtp_loss`` (megatron-core 0.19.2);
-Megatron's function calls it for every ``mtp_loss_type`` but cross-entropy (the plugin wraps it,
-the patches edit it) and keeps its own code for ``'ce'``. Everything around the loss stays Megatron's:
+Megatron's function calls it for every ``mtp_loss_type`` but cross-entropy, and for
+cross-entropy with ``mtp_ce_chunked`` (the plugin wraps it, the patches edit it), and keeps its
+own code for ``'ce'``. Everything around the loss stays Megatron's:
 labels and loss mask are rolled with Megatron's ``roll_tensor`` (so masks, packed-sequence and
 context-parallel boundaries and ``num_tokens`` are exactly those of the CE path), the
 normalisation, ``calculate_per_token_loss``, ``MTPLossAutoScaler`` and the tracker.
@@ -25,7 +26,7 @@ from megatron.core.transformer import multi_token_prediction as _mtp
 from .alignment import CP_LAYOUTS, target_segments
 from .config import is_cross_entropy, validate_mtp_loss_config
 from .linear_tv import linear_tv_loss
-from .losses import loss_from_config
+from .losses import CrossEntropy, DraftLoss, loss_from_config
 from .main_logits import MainLogitsTarget
 from .metrics import save_acceptance_to_tracker
 from .sweep import TargetSegment
@@ -110,8 +111,8 @@ def process_mtp_tv_loss(
     main_logits: Optional[Tensor] = None,
     main_logits_target: Optional[MainLogitsTarget] = None,
 ) -> Tensor:
-    """The ``'tv'`` / ``'e2e_tv'`` / ``'kl'`` / ``'lk'`` / ``'nla'`` MTP loss (see
-    :mod:`megatron.mtp_tv.linear_tv`).
+    """The ``'tv'`` / ``'e2e_tv'`` / ``'kl'`` / ``'lk'`` / ``'nla'`` MTP loss, or ``'ce'`` with
+    ``mtp_ce_chunked`` (see :mod:`megatron.mtp_tv.linear_tv`).
 
     ``metrics_only`` computes and logs the acceptance metrics without attaching a loss (used for
     ``mtp_log_acceptance`` with the CE loss, under ``torch.no_grad``). ``main_logits``
@@ -128,7 +129,10 @@ def process_mtp_tv_loss(
     # Per call: a field assigned after construction gets construction's ValueError, not a KeyError.
     validate_mtp_loss_config(config)
     depth, loss_type = config.mtp_num_layers, getattr(config, 'mtp_loss_type', 'ce')
-    loss_fn = loss_from_config(config, 'tv' if is_cross_entropy(loss_type) else loss_type)  # 'ce': metrics
+    loss_fn = _objective(config, loss_type, metrics_only)
+    # The main model's distribution: every TV-family loss compares with it; cross-entropy only
+    # for the acceptance metrics (mtp_log_acceptance).
+    with_target = loss_fn.needs_target or (is_training and getattr(config, 'mtp_log_acceptance', False))
     # One split into the main rows and every depth's rows, as Megatron's torch.chunk: in
     # backward one node then assembles the [(1+D)s, b, h] gradient; two views of hidden_states
     # (a chunk and a slice) would each build one of that size, and the loss would peak above CE.
@@ -151,14 +155,16 @@ def process_mtp_tv_loss(
     # under no_grad here, the main projection with gradients), nor in recompute mode (the logits
     # would be kept for backward, and Megatron's CE overwrites them in place).
     fused = getattr(config, 'mtp_tv_backward', 'fused') == 'fused'
-    deferred = main_logits is None and fused and not metrics_only and main_logits_target is not None
+    deferred = (with_target and main_logits is None and fused and not metrics_only
+                and main_logits_target is not None)
     # The target's hidden states serve the own projection and the context-parallel halos (rows
     # of another rank, projected here); from the main logits without CP they are not gathered.
-    needs_target_hidden = (main_logits is None and not deferred) or group_size(cp_group) > 1
+    needs_target_hidden = with_target and ((main_logits is None and not deferred) or group_size(cp_group) > 1)
     draft, target = _vocab_parallel_layout(
         draft, main_hidden, depth, tp_group, bool(getattr(output_layer, 'sequence_parallel', False)),
         needs_target_hidden,
     )
+    target = target if with_target else None  # cross-entropy without metrics: no target rows
     cu_seqlens = packed_seq_params.cu_seqlens_q.tolist() if packed_seq_params is not None else None
     segments = (  # without the target's hidden states (no CP): one segment over the sequence
         [TargetSegment(0, draft.shape[1])] if target is None
@@ -173,9 +179,9 @@ def process_mtp_tv_loss(
             draft, target if main_logits is None else None, weight, token_weights,
             loss_type=loss_fn, chunk_size=config.mtp_tv_chunk, tp_group=tp_group,
             logits_fn=scale_logits_fn, segments=segments,
-            labels=torch.stack(rolled.labels).transpose(1, 2) if is_training else None,
+            labels=torch.stack(rolled.labels).transpose(1, 2) if is_training or loss_fn.needs_labels else None,
             fused=fused, temperature=getattr(config, 'mtp_tv_temperature', 1.0),
-            metrics=is_training, target_logits=main_logits,
+            metrics=is_training and with_target, target_logits=main_logits if with_target else None,
             kernels=getattr(config, 'mtp_tv_kernels', 'auto'),
         )
         if is_training:
@@ -193,6 +199,16 @@ def process_mtp_tv_loss(
         return main_hidden
     loss = sweep(main_logits.detach() if main_logits is not None else None)
     return main_hidden if metrics_only else _mtp.MTPLossAutoScaler.apply(main_hidden, loss)
+
+
+def _objective(config, loss_type: str, metrics_only: bool) -> DraftLoss:
+    """The loss the sweep computes: the config's, cross-entropy for ``'ce'`` with
+    ``mtp_ce_chunked``, or ``'tv'``'s sums for the metrics-only pass of Megatron's ``'ce'``."""
+    if not is_cross_entropy(loss_type):
+        return loss_from_config(config)
+    if getattr(config, 'mtp_ce_chunked', False) and not metrics_only:
+        return CrossEntropy()
+    return loss_from_config(config, 'tv')
 
 
 class _Rolled(NamedTuple):

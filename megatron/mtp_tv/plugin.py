@@ -308,14 +308,15 @@ def _install_loss() -> None:
 
 
 def _with_tv_losses(megatron_process_mtp_loss: Callable) -> Callable:
-    """Megatron's ``process_mtp_loss`` for ``'ce'``, :func:`process_mtp_tv_loss` otherwise."""
+    """Megatron's ``process_mtp_loss`` for ``'ce'`` (unless ``mtp_ce_chunked``),
+    :func:`process_mtp_tv_loss` otherwise."""
     from .mtp_loss import process_mtp_tv_loss
 
     @functools.wraps(megatron_process_mtp_loss)
     def process_mtp_loss(*args, **kwargs):
         bound = inspect.signature(megatron_process_mtp_loss).bind(*args, **kwargs).arguments
         config = bound['config']
-        if not _config.is_cross_entropy(getattr(config, 'mtp_loss_type', 'ce')):
+        if not _config.runs_megatron_ce(config):
             return process_mtp_tv_loss(**bound, main_logits_target=_MAIN_LOGITS_TARGET.get())
         out = megatron_process_mtp_loss(*args, **kwargs)
         if getattr(config, 'mtp_log_acceptance', False) and bound.get('is_training'):

@@ -13,7 +13,8 @@ verification temperature) of the chunk's target rows and of every depth's draft 
    ``sum_v q_v 1[q_v < p_v]`` and ``KL(p || q) = sum_v p_v log(p_v / q_v)``;
 3. the logit gradient ``tv_coef * q * (dot - 1[q < p]) + kl_coef * (q - p)`` written over the
    draft rows (``grad_``; or ``pair_sums`` itself when the shard is the whole vocabulary and the
-   loss can say a row's coefficients from the row's own overlap).
+   loss can say a row's coefficients from the row's own overlap), or cross-entropy's
+   ``coef * (q - e_y)`` (``label_grad_``).
 
 :class:`TorchRowOps` materialises the probabilities in place and is the CPU path and test oracle.
 :class:`TritonRowOps` runs one program per row looping over vocabulary tiles (online max and
@@ -49,6 +50,8 @@ class RowStats(NamedTuple):
     """``[m]`` row max of the logits."""
     argmax: Optional[torch.Tensor]
     """``[m]`` int64 global vocabulary index of the max (lowest on ties), when asked for."""
+    lse: torch.Tensor
+    """``[m]`` ``log sum_v exp(z_v)`` over the full vocabulary."""
 
 
 class PairSums(NamedTuple):
@@ -176,7 +179,7 @@ class TorchRowOps:
         lse, global_max, argmax = combine_row_stats(local_max, local_logsum, group, local_argmax)
         if not single_shard:
             z.mul_((local_max - lse).exp_().unsqueeze(-1))
-        return z, RowStats(global_max, argmax)
+        return z, RowStats(global_max, argmax, lse)
 
     @staticmethod
     def rows(state: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -240,6 +243,14 @@ class TorchRowOps:
             )
         return q
 
+    def label_grad_(self, q: torch.Tensor, label: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy's ``coef * (q - e_y)`` written into the probabilities ``q`` ``[n, V/tp]``;
+        ``label`` ``[n]`` is each row's label as an index into this shard (-1: on another shard,
+        or no valid label: no ``e_y`` term here)."""
+        for rows in self._blocks(q):
+            q[rows].mul_(coef[rows].unsqueeze(-1))
+        return _subtract_at_labels_(q, label, coef)
+
     def _q_below(self, pb, qb, out):
         """``q * 1[q < p]`` into ``out``; strict: at a tie ``min()`` is ``p``, the detached side."""
         return torch.mul(qb, torch.lt(qb, pb, out=self._buffer('below', qb)), out=out)
@@ -302,7 +313,7 @@ class TritonRowOps:
         if local_argmax is not None:
             local_argmax += vocab_start
         lse, global_max, argmax = combine_row_stats(local_max, local_logsum, group, local_argmax)
-        return (z, lse), RowStats(global_max, argmax)
+        return (z, lse), RowStats(global_max, argmax, lse)
 
     @staticmethod
     def rows(state, start: int, stop: int):
@@ -323,6 +334,22 @@ class TritonRowOps:
 
     def grad_(self, p, q, dot, tv_coef, kl_coef=None):
         return _triton().grad_(*p, *q, dot, tv_coef, kl_coef)
+
+    @staticmethod
+    def label_grad_(q, label, coef):
+        """:meth:`TorchRowOps.label_grad_` on ``(logits, lse)`` rows: the probabilities are formed
+        in place of the logits first (two elementwise passes; no kernel of its own)."""
+        z, lse = q
+        z.sub_(lse.unsqueeze(-1)).exp_().mul_(coef.unsqueeze(-1))
+        _subtract_at_labels_(z, label, coef)
+        return q
+
+
+def _subtract_at_labels_(g: torch.Tensor, label: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """``g[i, label[i]] -= coef[i]`` for the rows whose label lies in this shard (``label >= 0``)."""
+    rows = (label >= 0).nonzero().squeeze(1)
+    g.index_put_((rows, label[rows]), -coef[rows], accumulate=True)
+    return g
 
 
 def triton_unavailable_reason(logits: torch.Tensor) -> Optional[str]:

@@ -5,9 +5,11 @@ Per chunk of positions (see :mod:`.linear_tv` for the math, the memory and the c
 1. a **target source** writes the fp32 logits of the chunk's target rows ``t+1 .. t+chunk+G-1``
    (shared by every depth) and of every depth's draft rows into one ``[m, V/tp]`` buffer:
    :class:`OwnProjection` projects the target's hidden states with the draft rows,
-   :class:`MainLogits` reads the main head's logits and projects the draft rows alone;
+   :class:`MainLogits` reads the main head's logits and projects the draft rows alone,
+   :class:`NoTarget` (cross-entropy against the labels, without metrics) has no target rows;
 2. the row ops (:mod:`.row_ops`) normalise every row (collective 1) and reduce each depth's
-   draft rows against their target rows to the per-row sums the loss asks for (collective 2);
+   draft rows against their target rows to the per-row sums the loss asks for, and the label's
+   logit where the loss or the metrics read it (collective 2);
 3. the loss (:class:`~.losses.DraftLoss`) turns the sums into the chunk's objective and its
    logit-gradient coefficients; the row ops write the logit gradient over the draft rows;
 4. a **gradient sink** takes it: :class:`DenseGradients` turns it into the fp32 hidden-state and
@@ -54,19 +56,21 @@ class SweepPlan:
     logits_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]
     segments: tuple
     labels: Optional[torch.Tensor]
-    """``[G, s, b]`` token ids for the greedy-accuracy counts, or None."""
+    """``[G, s, b]`` token ids: the greedy-accuracy counts' and a label loss's, or None."""
     inv_temperature: float
     metrics: bool
     """Also compute the greedy agreement of draft and target argmax."""
     kernels: str = 'auto'
     """The row kernels (:func:`.row_ops.select_row_ops`)."""
     target_is_logits: bool = False
-    """The target is the main head's ``[s, b, V/tp]`` logits (else ``[s, b, h]`` hidden states)."""
+    """The target is the main head's ``[s, b, V/tp]`` logits (else ``[s, b, h]`` hidden states,
+    or None: no target rows)."""
 
 
 class SweepOutput(NamedTuple):
     loss: torch.Tensor
-    alpha: torch.Tensor
+    alpha: Optional[torch.Tensor]
+    """None without target rows."""
     correct: torch.Tensor
     per_depth: torch.Tensor
     agreement: torch.Tensor
@@ -82,6 +86,7 @@ class Chunk(NamedTuple):
     stop: int
     b: int
     depths: int
+    with_target: bool = True
 
     @property
     def positions(self) -> slice:
@@ -94,8 +99,8 @@ class Chunk(NamedTuple):
 
     @property
     def target_rows(self) -> int:
-        """Target rows ``t+1 .. t+chunk+G-1``, shared by every depth."""
-        return (self.stop - self.start + self.depths - 1) * self.b
+        """Target rows ``t+1 .. t+chunk+G-1``, shared by every depth (none without a target)."""
+        return (self.stop - self.start + self.depths - 1) * self.b if self.with_target else 0
 
     def draft_rows(self, k: int) -> slice:
         """Depth k's draft rows in the chunk's logits buffer (after the target rows)."""
@@ -106,11 +111,12 @@ class Chunk(NamedTuple):
         return slice(k * self.b, k * self.b + self.tokens)
 
 
-def chunks(segments: Sequence[TargetSegment], positions_per_chunk: int, b: int, depths: int):
+def chunks(segments: Sequence[TargetSegment], positions_per_chunk: int, b: int, depths: int,
+           with_target: bool = True):
     """The chunks of every segment, in order (every TP rank walks the same ones)."""
     for seg in segments:
         for start in range(seg.start, seg.stop, positions_per_chunk):
-            yield Chunk(seg, start, min(start + positions_per_chunk, seg.stop), b, depths)
+            yield Chunk(seg, start, min(start + positions_per_chunk, seg.stop), b, depths, with_target)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -119,6 +125,8 @@ def chunks(segments: Sequence[TargetSegment], positions_per_chunk: int, b: int, 
 class OwnProjection:
     """Target rows projected from the main hidden states together with the draft rows: one
     ``[target + G * tokens, h] x [h, V/tp]`` product per chunk."""
+
+    has_target = True
 
     def __init__(self, target_hidden: torch.Tensor):
         self.hidden = target_hidden  # [s, b, h]
@@ -144,6 +152,8 @@ class MainLogits:
     copy in the chunk buffer (fp32 logits used as they are: no logit function, ``T = 1``).
     """
 
+    has_target = True
+
     def __init__(self, target_logits: torch.Tensor, read_in_place: bool):
         self.main = target_logits
         self.read_in_place = read_in_place
@@ -165,8 +175,25 @@ class MainLogits:
         return inputs, source
 
 
-def target_source(target: torch.Tensor, plan: SweepPlan):
-    """The :class:`OwnProjection` or :class:`MainLogits` of ``target`` for ``plan``."""
+class NoTarget:
+    """No target rows: the draft rows projected alone (a loss against the data labels)."""
+
+    has_target = False
+
+    def logits(self, chunk: Chunk, drafts: List[torch.Tensor], products: Products,
+               scratch: Scratch, out: torch.Tensor):
+        """Write the chunk's draft logits into ``out``; return ``(draft inputs, None)``."""
+        inputs = torch.cat(
+            drafts, out=scratch.take('inputs', (out.shape[0], drafts[0].shape[1]), products.weight.dtype, out.device),
+        )
+        products.logits(inputs, out)
+        return inputs, None
+
+
+def target_source(target: Optional[torch.Tensor], plan: SweepPlan):
+    """The :class:`OwnProjection`, :class:`MainLogits` or :class:`NoTarget` of ``target``."""
+    if target is None:
+        return NoTarget()
     if not plan.target_is_logits:
         return OwnProjection(target)
     read_in_place = (
@@ -240,13 +267,14 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
     handed to ``sink`` (:class:`DenseGradients` or :class:`StoredLogitGradients`; None: no
     gradient work).
 
-    ``target`` is ``[s, b, h]`` hidden states, or ``[s, b, V/tp]`` logits when
-    ``plan.target_is_logits``; ``token_weights`` ``[G, s, b]`` (``[s, b]`` for a per-chain loss).
+    ``target`` is ``[s, b, h]`` hidden states, ``[s, b, V/tp]`` logits when
+    ``plan.target_is_logits``, or None (no target rows: a loss against the labels, no
+    overlaps); ``token_weights`` ``[G, s, b]`` (``[s, b]`` for a per-chain loss).
     """
     G, s, b, h = draft_hidden.shape
     loss_fn, device = plan.loss, draft_hidden.device
-    out = _Results(G, s, b, device)
     source = target_source(target, plan)
+    out = _Results(G, s, b, device, source.has_target)
     products, scratch, ops = Products(weight), Scratch(), None
     # dL/dz of every row is at most grad_bound * its weight / T (each loss states grad_bound);
     # the sink's gradients carry grad_scale.
@@ -258,37 +286,43 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
     one_pass_grad = sink is not None and loss_fn.row_local and group_size(plan.tp_group) == 1
     want_dot = sink is not None and loss_fn.tv_grad
 
-    for chunk in chunks(plan.segments, plan.positions_per_chunk, b, G):
+    for chunk in chunks(plan.segments, plan.positions_per_chunk, b, G, source.has_target):
         n = chunk.tokens
         raw = scratch.take('logits', (chunk.target_rows + G * n, weight.shape[0]), torch.float32, device)
         drafts = [draft_hidden[k, chunk.positions].reshape(n, h) for k in range(G)]
         inputs, in_place_rows = source.logits(chunk, drafts, products, scratch, raw)
         z = _scaled_logits(raw, plan)  # row ops overwrite it; raw stays for the chain rule
         ops = ops or select_row_ops(z, plan.kernels)[0]
-        hits = _label_hits(z, chunk, plan.labels, vocab) if plan.labels is not None else None
+        label_logits = _label_logits(z, chunk, plan.labels, vocab) if plan.labels is not None else None
 
         # Collective 1: the normalisers (and argmax) of the target rows and every depth's rows.
         probs, stats = ops.normalise_(z, plan.tp_group, vocab[0] if plan.metrics else None, source=in_place_rows)
         pairs = [(ops.rows(probs, t.start, t.stop), ops.rows(probs, r.start, r.stop))
-                 for t, r in ((chunk.target_of(k), chunk.draft_rows(k)) for k in range(G))]
+                 for t, r in ((chunk.target_of(k), chunk.draft_rows(k)) for k in range(G))
+                 if source.has_target]
         w = token_weights[chunk.positions].reshape(n) if loss_fn.per_chain else token_weights[:, chunk.positions].reshape(G, n)
 
-        # Collective 2: every depth's overlap and, as needed, dot product, KL and label hits.
+        # Collective 2: every depth's overlap and, as needed, dot product, KL and label logits.
         sums = [
             ops.pair_sums(p, q, dot=want_dot, kl=loss_fn.needs_kl,
                           coefficients=_row_coefficients(loss_fn, w[k], coef_scale) if one_pass_grad else None)
             for k, (p, q) in enumerate(pairs)
         ]
-        row = _reduce(sums, hits, stats, chunk, want_dot, loss_fn.needs_kl, plan.tp_group)
-        terms = loss_fn.terms(row.alpha, row.kl, w)
+        row = _reduce(sums, label_logits, stats, chunk, want_dot, loss_fn.needs_kl, plan.tp_group)
+        terms = loss_fn.terms(row.alpha, row.kl, w, row.nll)
         out.record(chunk, row, terms, stats if plan.metrics else None)
         if sink is None:
             continue
 
-        if not one_pass_grad:
+        if not one_pass_grad and (terms.tv_coef is not None or terms.kl_coef is not None):
             for k, (p, q) in enumerate(pairs):
                 tv_coef, kl_coef = (c[k] * coef_scale if c is not None else None for c in (terms.tv_coef, terms.kl_coef))
                 ops.grad_(p, q, row.dot[k] if row.dot is not None else None, tv_coef, kl_coef)
+        if terms.label_coef is not None:
+            for k in range(G):
+                draft = chunk.draft_rows(k)
+                ops.label_grad_(ops.rows(probs, draft.start, draft.stop), label_logits.local_index[k],
+                                terms.label_coef[k] * coef_scale)
         # Every depth's logit gradient now lies over its draft rows: one [G*n, V/tp] block.
         g = ops.written_grad(ops.rows(probs, chunk.target_rows, chunk.target_rows + G * n))
         if plan.logits_fn is not None:
@@ -302,17 +336,19 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
 class _RowSums(NamedTuple):
     """A chunk's per-row sums over the full vocabulary, ``[G, tokens]`` each."""
 
-    alpha: torch.Tensor
+    alpha: Optional[torch.Tensor]
     dot: Optional[torch.Tensor]
     kl: Optional[torch.Tensor]
     hits: Optional[torch.Tensor]
+    nll: Optional[torch.Tensor]
+    """``log sum_v exp(z_v) - z_y``, when labels are given."""
 
 
 class _Results:
     """The sweep's per-row outputs, ``[G, s, b]``, and its loss, filled chunk by chunk."""
 
-    def __init__(self, G, s, b, device):
-        self.alpha = torch.zeros(G, s, b, dtype=torch.float32, device=device)
+    def __init__(self, G, s, b, device, with_alpha: bool):
+        self.alpha = torch.zeros(G, s, b, dtype=torch.float32, device=device) if with_alpha else None
         self.per_depth = torch.zeros(G, s, b, dtype=torch.float32, device=device)
         self.correct = torch.zeros(G, s, b, dtype=torch.bool, device=device)
         self.agreement = torch.zeros(G, s, b, dtype=torch.bool, device=device)
@@ -321,10 +357,11 @@ class _Results:
     def record(self, chunk: Chunk, row: _RowSums, terms, stats) -> None:
         shape = (chunk.depths, chunk.stop - chunk.start, chunk.b)
         rows = chunk.positions
-        self.alpha[:, rows] = row.alpha.view(shape)
+        if self.alpha is not None:
+            self.alpha[:, rows] = row.alpha.view(shape)
         if row.hits is not None:
             self.correct[:, rows] = (row.hits > 0).view(shape)
-        if stats is not None:
+        if stats is not None and chunk.with_target:
             agree = torch.stack([
                 stats.argmax[chunk.target_of(k)] == stats.argmax[chunk.draft_rows(k)] for k in range(chunk.depths)
             ])
@@ -333,22 +370,33 @@ class _Results:
         self.per_depth[:, rows] = terms.per_depth.view(shape)
 
 
-def _reduce(sums, hits, stats, chunk: Chunk, want_dot: bool, want_kl: bool, group) -> _RowSums:
+def _reduce(sums, label_logits, stats, chunk: Chunk, want_dot: bool, want_kl: bool, group) -> _RowSums:
     """All-reduce this shard's per-row sums (one collective for every depth and sum)."""
-    columns = [torch.stack([x.overlap for x in sums])]
-    if want_dot:
-        columns.append(torch.stack([x.dot for x in sums]))
-    if want_kl:
-        columns.append(torch.stack([x.kl for x in sums]))
-    if hits is not None:  # the label's logit is the row's max on exactly one shard, if any
+    columns = []
+    if sums:
+        columns.append(torch.stack([x.overlap for x in sums]))
+        if want_dot:
+            columns.append(torch.stack([x.dot for x in sums]))
+        if want_kl:
+            columns.append(torch.stack([x.kl for x in sums]))
+    if label_logits is not None:
+        # The label's logit lies on exactly one shard (0 elsewhere); it is the row's max there
+        # iff the label is the greedy draft.
         columns.append(torch.stack([
-            (hits[k] >= stats.max[chunk.draft_rows(k)]).float() for k in range(chunk.depths)
+            ((label_logits.value[k] >= stats.max[chunk.draft_rows(k)]) & (label_logits.local_index[k] >= 0)).float()
+            for k in range(chunk.depths)
         ]))
+        columns.append(label_logits.value)
     reduced = list(all_reduce_sum_(torch.stack(columns), group))  # [c, G, n]
-    alpha = reduced.pop(0)
-    dot = reduced.pop(0) if want_dot else None
-    kl = reduced.pop(0) if want_kl else None
-    return _RowSums(alpha, dot, kl, reduced.pop(0) if hits is not None else None)
+    alpha = reduced.pop(0) if sums else None
+    dot = reduced.pop(0) if sums and want_dot else None
+    kl = reduced.pop(0) if sums and want_kl else None
+    hits = nll = None
+    if label_logits is not None:
+        hits, label_logit = reduced
+        lse = torch.stack([stats.lse[chunk.draft_rows(k)] for k in range(chunk.depths)])
+        nll = lse - label_logit
+    return _RowSums(alpha, dot, kl, hits, nll)
 
 
 def _row_coefficients(loss_fn: DraftLoss, w: torch.Tensor, scale: torch.Tensor):
@@ -449,15 +497,25 @@ def _target_logit_rows(target_logits, seg: TargetSegment, first: int, stop: int,
     return body
 
 
-def _label_hits(z: torch.Tensor, chunk: Chunk, labels: torch.Tensor, vocab) -> List[torch.Tensor]:
-    """Each depth's label logit where the label lies in this rank's shard, else -inf."""
+class _LabelLogits(NamedTuple):
+    """Each depth's draft logit at its label, on this shard: ``[G, tokens]`` each."""
+
+    value: torch.Tensor
+    """The logit where the label lies in this shard, else 0 (summed over shards: the logit)."""
+    local_index: torch.Tensor
+    """int64 index of the label into this shard, -1 where it lies elsewhere (or is no token)."""
+
+
+def _label_logits(z: torch.Tensor, chunk: Chunk, labels: torch.Tensor, vocab) -> _LabelLogits:
+    """Read before the row ops overwrite ``z``: a label outside ``[0, V)`` (padding, an ignore
+    index) lies on no shard, and its logit counts as 0, as in Megatron's vocab-parallel
+    cross-entropy."""
+    start, stop = vocab
     chunk_labels = labels[:, chunk.positions].reshape(chunk.depths, chunk.tokens)
-    return [_label_logit(z[chunk.draft_rows(k)], chunk_labels[k], *vocab) for k in range(chunk.depths)]
-
-
-def _label_logit(z, labels, vocab_start, vocab_stop):
-    """Logit of each row's label when it lies in this rank's shard, else -inf."""
-    local = labels - vocab_start
-    in_shard = (labels >= vocab_start) & (labels < vocab_stop)
-    picked = z.detach().gather(1, local.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
-    return torch.where(in_shard, picked, torch.full_like(picked, float('-inf')))
+    in_shard = (chunk_labels >= start) & (chunk_labels < stop)
+    local = torch.where(in_shard, chunk_labels - start, torch.full_like(chunk_labels, -1))
+    picked = torch.stack([
+        z[chunk.draft_rows(k)].detach().gather(1, local[k].clamp(min=0).unsqueeze(1)).squeeze(1)
+        for k in range(chunk.depths)
+    ])
+    return _LabelLogits(torch.where(in_shard, picked, torch.zeros_like(picked)), local)

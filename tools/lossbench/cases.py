@@ -21,6 +21,8 @@ EXTRA_MTP_TYPES = ('kl', 'lk', 'nla')
 STEP_TYPES = ('tv', 'kl', 'lk')
 #: The 'wide' rows (the MTP path at large hidden sizes).
 WIDE_IMPLS = ('ce', 'tv', 'tv-own', 'kl')
+#: The 'ce' rows: Megatron's MTP cross-entropy and the same loss through the chunked sweep.
+CE_IMPLS = ('ce', 'ce-chunked')
 #: Std of the logits the benchmark's output weights give unit-variance hidden states (a
 #: trained model's range): far smaller ones make every loss trivially flat, far larger ones
 #: push probabilities and logit gradients towards subnormals, on which x86 GEMMs crawl.
@@ -73,10 +75,15 @@ def tv_target_source() -> str:
     return 'main logits' if _module_exists(f'{loss_package()}.main_logits') else 'own projection'
 
 
-def auto_chunk(num_tokens: int, depths: int, hidden: int, vocab_local: int) -> Optional[int]:
-    """The chunk ``mtp_tv_chunk=0`` picks in the measured code (None if it has no such rule)."""
+def auto_chunk(num_tokens: int, depths: int, hidden: int, vocab_local: int,
+               target_rows: bool = True) -> Optional[int]:
+    """The chunk ``mtp_tv_chunk=0`` picks in the measured code (None if it has no such rule);
+    ``target_rows=False``: cross-entropy against the labels (``mtp_ce_chunked``)."""
     rule = getattr(loss_module('linear_tv'), 'auto_chunk_tokens', None)
-    return None if rule is None else int(rule(num_tokens, depths, hidden, vocab_local))
+    if rule is None:
+        return None
+    kwargs = {} if target_rows else {'target_rows': False}
+    return int(rule(num_tokens, depths, hidden, vocab_local, **kwargs))
 
 
 class Case:
@@ -354,6 +361,8 @@ def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
     }
     if main_logits is not None:  # the fallback: the loss projects its own target
         cases[f'{tv_type}-own'] = Case(run(tv_config, False), leaves)
+    # 'ce' through the chunked sweep (mtp_ce_chunked): Megatron's objective at bounded memory.
+    cases['ce-chunked'] = Case(run(config('ce', mtp_ce_chunked=True)), leaves)
     if G == 1:
         for loss_type in EXTRA_MTP_TYPES:
             cases[loss_type] = Case(run(config(loss_type)), leaves)

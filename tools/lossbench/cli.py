@@ -18,15 +18,21 @@ import torch
 
 from .cases import loss_mode, loss_package, tv_target_source
 from .report import apply_targets, attach_round_ratios, product_floors, render
-from .runs import cpu_count, run_loss, run_mtp, run_step, run_tp, run_wide
+from .runs import cpu_count, run_ce, run_loss, run_mtp, run_step, run_tp, run_wide
 
 #: The row groups ``--cases`` selects from (see :mod:`lossbench`).
-GROUPS = ('loss', 'mtp', 'tp', 'step', 'wide')
+GROUPS = ('loss', 'mtp', 'tp', 'step', 'wide', 'ce')
 
 
 def parse_args(argv=None):
     def ints(text):
         return [int(x) for x in text.split(',') if x.strip()]
+
+    def shapes(text):
+        try:
+            return [tuple(int(n) for n in x.split('x')) for x in text.split(',') if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f'{text!r}: expected HIDDENxVOCABxTOKENS,...') from None
 
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--seqs', type=ints, default=None, help='sequence lengths (default 1024,4096,8192)')
@@ -51,6 +57,11 @@ def parse_args(argv=None):
                    help="'wide' rows: vocabulary per rank, V/tp (default 16384)")
     p.add_argument('--wide-seqs', type=ints, default=None,
                    help="'wide' rows: tokens (default 1024,2048,4096)")
+    p.add_argument('--ce-depths', type=ints, default=None,
+                   help="'ce' rows: mtp_num_layers, one set of rows each (default 1,3)")
+    p.add_argument('--ce-shapes', type=shapes, default=None,
+                   help="'ce' rows: HIDDENxVOCABxTOKENS shapes, comma-separated (default "
+                        "1024x32768x4096,4096x16384x1024,7168x16384x512)")
     p.add_argument('--cases', default='loss,mtp,tp',
                    help=f"subset of {','.join(GROUPS)} (default loss,mtp,tp)")
     p.add_argument('--threads', type=int, default=None,
@@ -67,12 +78,14 @@ def parse_args(argv=None):
     full = dict(seqs=[1024, 4096, 8192], hidden=1024, vocab=32768, chunk=512, repeats=3, warmup=1,
                 threads=0,
                 step_seqs=[2048, 4096], step_depths=[1], wide_hidden=[4096, 7168],
-                wide_vocab=16384, wide_seqs=[1024, 2048, 4096])
+                wide_vocab=16384, wide_seqs=[1024, 2048, 4096], ce_depths=[1, 3],
+                ce_shapes=[(1024, 32768, 4096), (4096, 16384, 1024), (7168, 16384, 512)])
     # One thread: at tiny shapes a second thread only waits for a busy machine's other core
     # at every op (0.6 s instead of 0.02 s per step of the 'step' model on two shared cores).
     quick = dict(seqs=[64, 128], hidden=64, vocab=512, chunk=32, repeats=1, warmup=0, threads=1,
                  step_seqs=[64, 128], step_depths=[1, 2], wide_hidden=[96, 128],
-                 wide_vocab=512, wide_seqs=[64, 128])
+                 wide_vocab=512, wide_seqs=[64, 128], ce_depths=[1, 2],
+                 ce_shapes=[(64, 512, 256), (128, 512, 32)])
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -86,8 +99,11 @@ def parse_args(argv=None):
         p.error(f"unknown --cases {sorted(bad)}")
     if args.vocab % max(args.tp) != 0:
         p.error(f"--vocab {args.vocab} must be divisible by every --tp")
-    if any(G < 1 for G in args.step_depths):
-        p.error(f"--step-depths {args.step_depths}: every depth must be >= 1")
+    if any(len(shape) != 3 for shape in args.ce_shapes):
+        p.error(f"--ce-shapes {args.ce_shapes}: each shape is HIDDENxVOCABxTOKENS")
+    if any(G < 1 for G in args.step_depths + args.ce_depths):
+        p.error(f"--step-depths {args.step_depths} / --ce-depths {args.ce_depths}: every depth "
+                "must be >= 1")
     return args
 
 
@@ -132,7 +148,7 @@ def main(argv=None) -> dict:
     log = lambda *a: print(time.strftime('%H:%M:%S'), *a, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     rows: List[dict] = []
-    if ('loss' in args.cases and 1 in args.tp) or {'mtp', 'step', 'wide'} & set(args.cases):
+    if ('loss' in args.cases and 1 in args.tp) or {'mtp', 'step', 'wide', 'ce'} & set(args.cases):
         with single_process():
             if 'loss' in args.cases and 1 in args.tp:
                 rows += run_loss(args, log=log)
@@ -142,6 +158,8 @@ def main(argv=None) -> dict:
                 rows += run_step(args, log=log)
             if 'wide' in args.cases:
                 rows += run_wide(args, log=log)
+            if 'ce' in args.cases:
+                rows += run_ce(args, log=log)
     if 'tp' in args.cases:
         for tp in args.tp:
             if tp > 1:

@@ -1,5 +1,5 @@
 """The runs: each row group's shapes measured and turned into report rows (``loss``, ``mtp``,
-``step``, ``wide`` in this process; ``tp`` in gloo processes, one per rank, the slowest rank's
+``step``, ``wide``, ``ce`` in this process; ``tp`` in gloo processes, one per rank, the slowest rank's
 time kept).
 """
 
@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .cases import (LOGIT_STD, WIDE_IMPLS, auto_chunk, loss_cases, loss_mode, mtp_cases,
+from .cases import (CE_IMPLS, LOGIT_STD, WIDE_IMPLS, auto_chunk, loss_cases, loss_mode, mtp_cases,
                     step_cases, tv_target_source)
 from .memory import MiB
 from .timing import measure, paired_ratio
@@ -102,6 +102,24 @@ def run_wide(args, log=print) -> List[dict]:
                 'wide', lambda: mtp_cases(1, s, h, args.wide_vocab, 0, None, 1, 'tv',
                                           weight_scale=LOGIT_STD / h ** 0.5, impls=WIDE_IMPLS),
                 args, s, 1, extra, f"h={h} s={s}", log)
+    return rows
+
+
+def run_ce(args, log=print) -> List[dict]:
+    """The 'ce' rows: Megatron's MTP cross-entropy against the same loss through the chunked sweep
+    (``mtp_ce_chunked``, automatic chunk), per depth count and ``(hidden, V/tp, tokens)`` shape."""
+    from mtp_tv_dev.distributed import reset_mtp_tracker
+
+    rows = []
+    for G in args.ce_depths:
+        for h, V, s in args.ce_shapes:
+            reset_mtp_tracker()
+            extra = {'hidden': h, 'vocab': V, 'chunk': 0,
+                     'auto_chunk': auto_chunk(s, G, h, V, target_rows=False), 'mode': loss_mode()}
+            rows += _measured_rows(
+                'ce', lambda: mtp_cases(G, s, h, V, 0, None, 1, 'tv', weight_scale=LOGIT_STD / h ** 0.5,
+                                        impls=CE_IMPLS),
+                args, s, G, extra, f"G={G} h={h} V={V} s={s}", log)
     return rows
 
 

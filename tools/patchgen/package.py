@@ -111,12 +111,6 @@ def _module_level(path: Path, names: Sequence[str]) -> Dict[str, ast.stmt]:
     return found
 
 
-def cross_entropy_names() -> Tuple[str, ...]:
-    """``config.CROSS_ENTROPY_NAMES``: the loss types that keep Megatron's own CE code."""
-    node = _module_level(PACKAGE_DIR / 'config.py', ['CROSS_ENTROPY_NAMES'])['CROSS_ENTROPY_NAMES']
-    return tuple(ast.literal_eval(node.value))
-
-
 #: What megatron/mtp_tv/plugin.py knows of Megatron's MTP code, and its checks of it: the same
 #: literals and functions install() uses, read from the source (the generator does not import
 #: the package, which imports Megatron).

@@ -7,7 +7,7 @@ from typing import Dict, List, Sequence, Tuple
 from .facts import Facts
 from .layout import CONFIG_FILE, GPT_FILE, INLINE_CONDITION, MTP_FILE, TARGET_MODULE
 
-from .package import cross_entropy_names, fields_block, tv_loss_params
+from .package import fields_block, tv_loss_params
 
 #: Where ``GPTModel._postprocess`` takes its ``MainLogitsTarget`` from (megatron/mtp_tv/main_logits.py).
 MAIN_LOGITS_MODULE = f'{TARGET_MODULE}.main_logits'
@@ -46,30 +46,25 @@ def snippet_validate() -> List[str]:
     ]
 
 
-def _ce() -> str:
-    """The tuple of cross-entropy names as it appears in the rendered code."""
-    return repr(cross_entropy_names())
-
-
 def snippet_process_mtp_loss(params: Sequence[str]) -> List[str]:
     tv = tv_loss_params()
     passed = [p for p in params if p in tv]
     kwargs = [f'            {p}={p},' for p in passed]
     return [
         f'    {_HEADER}',
-        "    # Loss types other than 'ce' (alias 'cross_entropy') go to process_mtp_tv_loss; the",
-        "    # code after this block is the 'ce' loss, unchanged (mtp_log_acceptance adds the",
-        '    # acceptance metrics to it).',
-        f'    if config.mtp_loss_type not in {_ce()} or (',
-        '        config.mtp_log_acceptance and is_training',
-        '    ):',
-        '        # Imported here: the mtp_tv package imports this module.',
+        "    # Loss types other than 'ce' (alias 'cross_entropy'), and 'ce' with mtp_ce_chunked, go",
+        "    # to process_mtp_tv_loss; the code after this block is Megatron's 'ce' loss, unchanged",
+        '    # (mtp_log_acceptance adds the acceptance metrics to it).',
+        '    # Imported here: the mtp_tv package imports this module.',
+        f'    from {TARGET_MODULE}.config import runs_megatron_ce',
+        '',
+        '    if not runs_megatron_ce(config) or (config.mtp_log_acceptance and is_training):',
         f'        from {TARGET_MODULE}.mtp_loss import process_mtp_tv_loss',
         '',
         '        mtp_tv_kwargs = dict(',
         *kwargs,
         '        )',
-        f'        if config.mtp_loss_type not in {_ce()}:',
+        '        if not runs_megatron_ce(config):',
         '            return process_mtp_tv_loss(**mtp_tv_kwargs, main_logits_target=main_logits_target)',
         '        with torch.no_grad():',
         '            process_mtp_tv_loss(**mtp_tv_kwargs, metrics_only=True)',
@@ -137,15 +132,17 @@ def snippet_inline_gpt() -> Tuple[List[str], List[str]]:
     """(lines inserted before the inline branch, lines replacing its ``if`` line)."""
     before = [
         f'        {_HEADER}',
-        "        # Loss types other than 'ce' (alias 'cross_entropy') go to process_mtp_tv_loss, fed",
-        "        # what the 'ce' branch below uses: the tokens in mtp_kwargs['mtp_labels'] rolled once",
-        '        # into labels together with the loss mask, and a detached output layer (the MTP',
-        '        # loss does not train it).',
+        "        # Loss types other than 'ce' (alias 'cross_entropy'), and 'ce' with mtp_ce_chunked, go",
+        "        # to process_mtp_tv_loss, fed what the 'ce' branch below uses: the tokens in",
+        "        # mtp_kwargs['mtp_labels'] rolled once into labels together with the loss mask, and a",
+        '        # detached output layer (the MTP loss does not train it).',
+        f'        from {TARGET_MODULE}.config import runs_megatron_ce',
+        '',
         '        mtp_tv = (',
         '            self.config.mtp_num_layers',
         "            and mtp_kwargs.get('mtp_labels', None) is not None",
         '            and (',
-        f'                self.config.mtp_loss_type not in {_ce()}',
+        '                not runs_megatron_ce(self.config)',
         '                or (self.config.mtp_log_acceptance and self.training)',
         '            )',
         '        )',
@@ -169,13 +166,13 @@ def snippet_inline_gpt() -> Tuple[List[str], List[str]]:
         '                cp_group=self.cp_group,',
         '                packed_seq_params=packed_seq_params,',
         '            )',
-        f'            if self.config.mtp_loss_type in {_ce()}:',
+        '            if runs_megatron_ce(self.config):',
         '                with torch.no_grad():',
         '                    process_mtp_tv_loss(**mtp_tv_kwargs, metrics_only=True)',
         '',
     ]
     replace = [
-        f'        if mtp_tv and self.config.mtp_loss_type not in {_ce()}:',
+        '        if mtp_tv and not runs_megatron_ce(self.config):',
         '            hidden_states = process_mtp_tv_loss(',
         f'                **mtp_tv_kwargs, main_logits_target={MAIN_LOGITS_VAR}',
         '            )',
