@@ -302,3 +302,97 @@ def test_context_parallel_and_packed_sequences_match_megatrons_cross_entropy(cp,
     for megatron_run, chunked_run in spawn(_cp_worker, cp, 2, s, seq_lengths, cp=cp):
         for got, want in zip(chunked_run, megatron_run):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------ contiguous packed context parallelism (NVIDIA dev's layout)
+
+#: Four packed sequences over two contiguous shards of 16 rows: two are cut by the shard boundary.
+CONTIGUOUS_LENGTHS = [5, 13, 9, 5]
+
+
+def _contiguous_worker(rank, depth):
+    """The chunked 'ce' on this rank's contiguous shard, with dev's roll context and prefetched
+    halos: ``(index, hidden grad, weight grad, logged per-depth loss)``."""
+    import megatron.mtp_tv
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer import multi_token_prediction as mtp
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from mtp_tv_dev.contiguous import contiguous_cp_index, tree_api
+    from mtp_tv_dev.packed import make_packed_seq_params
+
+    megatron.mtp_tv.install()
+    api = tree_api(mtp)
+    cp_group = parallel_state.get_context_parallel_group()
+    s = sum(CONTIGUOUS_LENGTHS)
+    hidden, weight, labels, mask = _contiguous_inputs(depth, s)
+    index = contiguous_cp_index(s, cp_group.rank(), cp_group.size())
+    packed = make_packed_seq_params(CONTIGUOUS_LENGTHS)
+    packed.cp_partition_mode = 'contiguous'  # a field on dev; set as an attribute on 0.19.2
+    local = dict(labels=labels[:, index], loss_mask=mask[:, index])
+    context = api.prepare(local['labels'], cp_group, packed).prefetch_halos(width=depth + 1, **local)
+    mtp.roll_tensor = api.roll_tensor  # dev's list form (this worker process only)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, mtp_num_layers=depth,
+        mtp_ce_chunked=True, mtp_tv_chunk=3, mtp_loss_scaling_factor=FACTOR,
+        use_cpu_initialization=True, context_parallel_size=cp_group.size(),
+    )
+    layer = ColumnParallelLinear(HIDDEN, VOCAB, config=config, init_method=torch.nn.init.zeros_,
+                                 bias=False, gather_output=False)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    local_hidden = torch.cat([c.index_select(0, index) for c in hidden.chunk(1 + depth)]).requires_grad_()
+    mtp.MTPLossLoggingHelper.tracker.clear()
+    out = api.process_mtp_loss(
+        hidden_states=local_hidden, output_layer=layer, output_weight=None,
+        runtime_gather_output=None, is_training=True, compute_language_model_loss=None,
+        config=config, cp_group=cp_group, packed_seq_params=packed, sequence_roll_context=context,
+        **local,
+    )
+    (out * 0).sum().backward()  # only the MTP loss riding on MTPLossAutoScaler
+    return index, local_hidden.grad, layer.weight.grad, mtp.MTPLossLoggingHelper.tracker['loss_values'].clone()
+
+
+def _contiguous_inputs(depth, s):
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn((1 + depth) * s, 1, HIDDEN, generator=g)
+    weight = torch.randn(VOCAB, HIDDEN, generator=g) * 0.5
+    labels = torch.randint(0, VOCAB, (1, s), generator=g)
+    mask = (torch.rand(1, s, generator=g) > 0.2).float()
+    return hidden, weight, labels, mask
+
+
+def _contiguous_reference(depth, index):
+    """This rank's loss from the whole packed row in float64: depth k's label and mask are those
+    ``k + 1`` rows on inside the same sequence, each rank normalising by its own token count (as
+    Megatron's CE under context parallelism). ``(hidden grad, weight grad, logged)``."""
+    from mtp_tv_dev.reference import shifted_mask
+
+    s = sum(CONTIGUOUS_LENGTHS)
+    bounds = [0]
+    for n in CONTIGUOUS_LENGTHS:
+        bounds.append(bounds[-1] + n)
+    hidden, weight, labels, mask = _contiguous_inputs(depth, s)
+    hidden, weight = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    drafts = hidden.chunk(1 + depth)[1:]
+    loss, logged = 0, []
+    for k in range(depth):
+        z = (drafts[k][index, 0] @ weight.t())  # [n, V]
+        label_k = shifted_mask(labels, k + 1, bounds)[0, index]
+        mask_k = shifted_mask(mask, k + 1, bounds)[0, index].double()
+        ce = z.logsumexp(-1) - z.gather(-1, label_k.unsqueeze(-1)).squeeze(-1)
+        tokens = mask_k.sum().clamp(min=1)
+        loss = loss + FACTOR / depth * (mask_k * ce).sum() / tokens
+        logged.append(((mask_k * ce).sum() / tokens).detach())
+    loss.backward()
+    grad = torch.cat([c.index_select(0, index) for c in hidden.grad.chunk(1 + depth)])
+    return grad, weight.grad, torch.stack(logged)
+
+
+def test_contiguous_packed_context_parallel_matches_float64_cross_entropy():
+    depth = 3
+    for index, grad, weight_grad, logged in spawn(_contiguous_worker, 2, depth, cp=2):
+        ref_grad, ref_weight_grad, ref_logged = _contiguous_reference(depth, index)
+        torch.testing.assert_close(logged.double(), ref_logged, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(weight_grad.double(), ref_weight_grad, rtol=1e-4, atol=1e-7)

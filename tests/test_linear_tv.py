@@ -293,6 +293,11 @@ def test_auto_chunk_keeps_logits_within_both_bounds():
     assert auto_chunk_tokens(1024, 1, 1024, V) == 256  # half of CE's 1 x 1024 saved softmax rows
     assert auto_chunk_tokens(8192, 3, 4096, 151936 // 2) == 2048
     assert auto_chunk_tokens(4096, 3, 64, 256) == 1536  # tiny model: the 64 MiB floor, CE bound
+    # Cross-entropy without target rows: half of CE's saved rows where the weight gradient
+    # dominates both peaks (few tokens next to h), the chunk above where the saved rows do.
+    assert auto_chunk_tokens(512, 1, 7168, 16384, target_rows=False) == 256  # not 128
+    assert auto_chunk_tokens(512, 1, 128, 8192, target_rows=False) == 128  # not 256
+    assert auto_chunk_tokens(4096, 1, 1024, V, target_rows=False) == 1024  # the budget binds
     floor_rows = AUTO_CHUNK_MIN_BYTES // 4
     for tokens in (1, 7, 100, 4096, 65536):
         for depths in (1, 2, 3):
@@ -303,6 +308,11 @@ def test_auto_chunk_keeps_logits_within_both_bounds():
                     if chunk > 1:
                         assert (depths + 1) * chunk * vocab <= max(AUTO_CHUNK_WEIGHT_GRADS * hidden * vocab, floor_rows)
                         assert 2 * (depths + 1) * chunk <= depths * tokens
+                    ce_chunk = auto_chunk_tokens(tokens, depths, hidden, vocab, target_rows=False)
+                    if depths * tokens >= (depths + 1) * hidden:
+                        assert ce_chunk == chunk  # CE's saved rows dominate: half its peak
+                    else:
+                        assert chunk <= ce_chunk and (ce_chunk == 1 or 2 * ce_chunk <= tokens)
 
 
 @pytest.mark.parametrize('vocab', [300, 512, 1000, 32768, 32769])

@@ -105,25 +105,30 @@ def auto_chunk_tokens(num_tokens: int, depths: int, hidden: int, vocab_local: in
                       target_rows: bool = True) -> int:
     """The chunk :func:`linear_tv_loss` uses for ``chunk_size=0``, in tokens.
 
-    Live fp32 logits of a chunk are ``r * chunk`` rows of ``vocab_local`` (= V/tp), with
-    ``r = depths + 1`` (every depth's draft rows and the shared target rows), or ``r = depths``
-    without target rows (cross-entropy against the labels, ``target_rows=False``). The rule
-    keeps ``(depths + 1) * chunk`` rows at most the larger of :data:`AUTO_CHUNK_WEIGHT_GRADS` (2)
+    A chunk holds ``(depths + 1) * chunk`` live fp32 rows of ``vocab_local`` (= V/tp) logits:
+    every depth's draft rows and the shared target rows, or ``depths * chunk`` without target
+    rows (cross-entropy against the labels, ``target_rows=False``). The rule keeps
+    ``(depths + 1) * chunk`` rows at most the larger of :data:`AUTO_CHUNK_WEIGHT_GRADS` (2)
     times the ``[V/tp, hidden]`` fp32 weight gradient the fused path holds anyway and
-    :data:`AUTO_CHUNK_MIN_BYTES` (64 MiB), and the ``r * chunk`` live rows at most half of the
-    ``depths * num_tokens`` rows of softmax that Megatron's cross-entropy path saves for the same
-    tokens (``chunk <= depths * num_tokens / (2 r)``), so the loss never peaks above that path at
-    any sequence length. The first bound counts ``depths + 1`` rows per token for every loss:
-    without target rows it leaves a chunk at half of that budget, which holds cross-entropy's
-    peak to about half of Megatron's where its logits dominate (the ``ce`` rows of
-    ``tools/bench_loss.py``), while the second lets it run longer chunks (fewer, larger matrix
-    products) where they do not, at few tokens next to the hidden size.
+    :data:`AUTO_CHUNK_MIN_BYTES` (64 MiB), and at most half of the ``depths * num_tokens`` rows
+    of softmax that Megatron's cross-entropy path saves for the same tokens
+    (``chunk <= depths * num_tokens / (2 (depths + 1))``), so the loss never peaks above that
+    path at any sequence length.
+
+    Cross-entropy keeps that chunk where Megatron's saved rows dominate its peak
+    (``depths * num_tokens >= (depths + 1) * hidden``): its live rows are then at most
+    ``depths / (2 (depths + 1))`` of them, which with the weight gradient both paths hold puts
+    its peak at half of Megatron's or below. Where they do not (few tokens next to the hidden
+    size, the weight gradient dominating both peaks), it takes half of the saved rows
+    (``chunk <= num_tokens / 2``): fewer, longer matrix products, which at hidden sizes of
+    4096-7168 run measurably faster on a CPU (the ``ce`` rows of ``tools/bench_loss.py``).
     """
-    rows_per_token = depths + 1 if target_rows else depths
     budget_rows = max(
         AUTO_CHUNK_WEIGHT_GRADS * hidden, AUTO_CHUNK_MIN_BYTES // (4 * max(1, vocab_local))
     )
     per_budget = budget_rows // (depths + 1)
+    saved_rows_dominate = depths * num_tokens >= (depths + 1) * hidden
+    rows_per_token = depths + 1 if target_rows or saved_rows_dominate else depths
     per_ce = depths * num_tokens // (2 * rows_per_token)
     return max(1, min(per_budget, per_ce))
 
