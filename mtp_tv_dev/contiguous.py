@@ -209,15 +209,21 @@ def with_extra_parameter(fn: Callable, name: str) -> Callable:
 
 def dev_process_mtp_loss(mtp) -> Callable:
     """``process_mtp_loss`` taking ``sequence_roll_context``: the tree's own when it has one (dev,
-    plugin or patch mode); otherwise the plugin's dispatcher around the tree's function given dev's
-    signature (the dispatch a dev tree gets from ``install()``; the context reaches only the TV
-    losses)."""
+    plugin or patch mode); otherwise dev's dispatch around the tree's function (the context
+    reaches only ``process_mtp_tv_loss``, as on dev: Megatron's own CE is not called with it)."""
     if "sequence_roll_context" in inspect.signature(mtp.process_mtp_loss).parameters:
         return mtp.process_mtp_loss
-    from megatron.mtp_tv import plugin
+    from megatron.mtp_tv.config import runs_megatron_ce
+    from megatron.mtp_tv.mtp_loss import process_mtp_tv_loss
 
-    original = inspect.unwrap(mtp.process_mtp_loss)
-    return plugin._with_tv_losses(with_extra_parameter(original, "sequence_roll_context"))
+    megatron_process_mtp_loss = inspect.unwrap(mtp.process_mtp_loss)
+
+    def process_mtp_loss(sequence_roll_context=None, **kwargs):
+        if runs_megatron_ce(kwargs["config"]):
+            return megatron_process_mtp_loss(**kwargs)
+        return process_mtp_tv_loss(**kwargs, sequence_roll_context=sequence_roll_context)
+
+    return process_mtp_loss
 
 
 @dataclass

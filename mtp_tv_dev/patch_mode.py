@@ -10,9 +10,10 @@ before any test module is imported, and by ``tools/verify_patched_tree.py``):
   ``megatron.core.transformer.mtp_tv`` modules (same objects in ``sys.modules``), so tests written
   against ``megatron.mtp_tv`` exercise the code the patch installed, never this checkout's
   copy of the package;
-* leaves ``mtp_tv_dev`` (test and demo support, never shipped) as it is: this checkout's;
-* turns ``install()`` into a no-op: the patched tree has the feature natively, nothing is
-  monkey-patched into megatron-core.
+* leaves ``mtp_tv_dev`` (test and demo support, never shipped) as it is: this checkout's.
+
+The tree's package has no plugin module, so its own ``install()`` is a no-op: nothing is
+monkey-patched into megatron-core.
 
 Tests that only make sense for the plugin are marked ``@pytest.mark.plugin_only`` and skipped
 (``tests/patch_mode.py``).
@@ -60,12 +61,6 @@ def activate() -> Path:
         except ImportError:  # an optional backend (e.g. triton) missing: tests skip it anyway
             continue
         sys.modules[f'megatron.mtp_tv.{info.name}'] = module
-
-    def install() -> None:
-        """No-op: the patched tree has the MTP TV losses natively."""
-
-    native.install = install
-    native.is_installed = lambda: False
     return tree
 
 

@@ -13,10 +13,12 @@ This module must not import Megatron: it is imported before Megatron is patched 
 ``TransformerConfig`` itself in patch mode).
 """
 
+import ast
+import inspect
 import math
 import os
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Dict, Literal, get_args
 
 from .losses import LOSSES
 
@@ -215,3 +217,20 @@ def validate_mtp_loss_config(config) -> None:
             f"mtp_loss_type={loss_type!r} trains MTP heads, but mtp_num_layers={num_layers!r}; "
             "set mtp_num_layers >= 1 or use mtp_loss_type='ce'."
         )
+
+
+def field_docstrings(cls: type) -> Dict[str, str]:
+    """The string literal under each annotated field of ``cls`` (read from its source)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs

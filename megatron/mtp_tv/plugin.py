@@ -21,7 +21,6 @@ Patch mode (``patches/``) makes the same changes in the source of a Megatron tre
 context variable and the hook live here, for plugin mode only.
 """
 
-import ast
 import contextvars
 import dataclasses
 import functools
@@ -216,7 +215,7 @@ def add_config_fields(base: type) -> None:
     """Add the MTP loss fields to dataclass ``base`` and its dataclass subclasses."""
     if _has_fields(base):
         return
-    docs = field_docstrings(_config.MTPLossConfig)
+    docs = _config.field_docstrings(_config.MTPLossConfig)
     annotations = base.__dict__['__annotations__']  # a dataclass always has its own
     for f in dataclasses.fields(_config.MTPLossConfig):
         annotations[f.name] = f.type
@@ -233,23 +232,6 @@ def add_config_fields(base: type) -> None:
 
 def _has_fields(cls: type) -> bool:
     return all(f.name in cls.__dataclass_fields__ for f in dataclasses.fields(_config.MTPLossConfig))
-
-
-def field_docstrings(cls: type) -> Dict[str, str]:
-    """The string literal under each annotated field of ``cls`` (read from its source)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = inspect.cleandoc(nxt.value.value)
-    return docs
 
 
 def _dataclass_subclasses(base: type) -> List[type]:

@@ -16,8 +16,9 @@ from .layout import REPO, TARGET_MODULE, PatchError
 
 #: The package source. Only this module reads it (tests point it at a changed copy).
 PACKAGE_DIR = REPO / 'megatron' / 'mtp_tv'
-#: Package files that only make sense for the plugin and are not shipped.
-NOT_SHIPPED = ('launch.py', 'startup_hook.py')
+#: Package files that only make sense for the plugin and are not shipped: a patched tree has the
+#: feature in its own source (``install()`` is a no-op there).
+NOT_SHIPPED = ('launch.py', 'plugin.py', 'startup_hook.py')
 
 
 def shipped_modules() -> Dict[str, str]:
