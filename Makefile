@@ -12,11 +12,13 @@
 #               MTP_TV_MEGATRON_LM=<radixark clone>:<NVIDIA clone> when their base changes)
 #
 # ARGS="..." is passed to the demo / benchmark script, PYTEST_ARGS="..." to pytest.
+# TEST_WORKERS (default: one per core) is pytest-xdist's worker count; 0 runs in one process.
 
 SHELL := /bin/bash
 PY := .venv/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
+TEST_WORKERS ?= auto
 
 .PHONY: setup setup-hf demo demo-smollm2 test test-patched patches bench
 
@@ -34,13 +36,13 @@ demo-smollm2: setup-hf
 
 # pytest exits 5 when it collected no tests; that must fail `make test` (and CI) loudly.
 test: setup-hf
-	@rc=0; $(PY) -m pytest tests -q -ra --durations=15 $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; $(PY) -m pytest tests -q -ra --durations=15 --numprocesses=$(TEST_WORKERS) $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: ERROR: pytest collected no tests" >&2; fi; \
 	exit $$rc
-	$(PY) tools/run_patched_suite.py
+	$(PY) tools/run_patched_suite.py -- --numprocesses=$(TEST_WORKERS)
 
 test-patched: setup
-	$(PY) tools/run_patched_suite.py
+	$(PY) tools/run_patched_suite.py -- --numprocesses=$(TEST_WORKERS)
 
 patches: setup
 	$(PY) tools/make_patches.py

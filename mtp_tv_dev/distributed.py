@@ -217,7 +217,7 @@ def spawn(
     ``parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
     context_parallel_size=cp)`` (data parallel takes the rest), every RNG seeded with ``seed``
     (megatron's TP tracker with ``seed + 2718 + tp_rank`` as usual), and
-    ``world_size // cpu_count`` torch threads. The parallel state and process group are destroyed
+    the parent's torch threads shared among them (at least one each). The parallel state and process group are destroyed
     after ``fn`` returns.
 
     Raises :class:`WorkerError` (with the worker tracebacks) when a worker raises, dies, or the
@@ -232,7 +232,7 @@ def spawn(
             f"tp={tp}, cp={cp}"
         )
     fn_bytes = pickle.dumps((fn, args))
-    threads = max(1, (os.cpu_count() or 1) // world_size)
+    threads = max(1, torch.get_num_threads() // world_size)
     ctx = _context()
     # The parent hosts the rendezvous store on a port the OS picks (port 0): no free-port race.
     store = dist.TCPStore(

@@ -91,7 +91,7 @@ wanted_stamp() {
 imports_ok() {
     "$VENV/bin/python" - <<'EOF' >/dev/null 2>&1
 import importlib.util, sys
-names = ["torch", "megatron.core", "megatron.mtp_tv", "pytest", "numpy", "matplotlib", "tqdm"]
+names = ["torch", "megatron.core", "megatron.mtp_tv", "pytest", "xdist", "numpy", "matplotlib", "tqdm"]
 sys.exit(0 if all(importlib.util.find_spec(n) is not None for n in names) else 1)
 EOF
 }
