@@ -236,6 +236,48 @@ def test_every_patch_hands_the_main_logits_to_the_mtp_loss_as_arguments(name):
     assert not any('check_megatron_args' in l for l in lines)  # once, at construction
 
 
+@pytest.mark.parametrize('name', sorted(targets.TARGETS))
+def test_the_training_side_hands_the_arguments_to_the_core(name):
+    """The patched global_vars.py tells the core's guard where the parsed arguments are, once, at
+    the end of the module (after _GLOBAL_ARGS)."""
+    text = targets.TARGETS[name].patch_path.read_text()
+    added = [l[1:] for l in _section(text, layout.GLOBAL_VARS_FILE) if l.startswith('+')]
+    assert added.count('set_megatron_args_source(lambda: _GLOBAL_ARGS)') == 1, added
+
+
+def _code_strings_and_names(source):
+    """Every identifier, attribute and string constant of ``source`` but its docstrings."""
+    import ast
+
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value) for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            yield node.value
+        elif isinstance(node, ast.Name):
+            yield node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.attr
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+        elif isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+
+
+def test_the_shipped_core_never_reads_megatron_training():
+    """What the patches copy into megatron/core neither imports megatron.training nor reads its
+    globals (by name, or through sys.modules): the training side hands them over."""
+    for rel, source in package.shipped_modules().items():
+        used = [s for s in _code_strings_and_names(source)
+                if 'megatron.training' in s or s == '_GLOBAL_ARGS' or s == 'global_vars']
+        assert not used, (rel, used)
+
+
 def _pristine(target):
     return sources.files_0192() if target.commit is None else _fork_files(target)
 

@@ -5,17 +5,19 @@ copies every same-named argument, so ``--mtp-loss-type tv`` reaches the model. A
 provider (a ``TransformerConfig`` subclass that ``AutoBridge.to_megatron_provider()`` fills from a
 Hugging Face config) is not built that way: miles' bridge mode (``--megatron-to-hf-mode bridge``)
 copies a fixed list of arguments onto it (parallelism, recompute, fp8, ...) and none of this
-package's. Two functions close that gap; neither imports Megatron or Megatron-Bridge (they look
-in ``sys.modules``), so both cost nothing where neither is in use.
+package's. Two functions close that gap. Neither imports Megatron's training side or
+Megatron-Bridge, nor reads their state: the training side, which owns the parsed arguments, tells
+this module where they are (:func:`set_megatron_args_source`; ``megatron/training/global_vars.py``
+does it in a patched tree, :func:`megatron.mtp_tv.install` in plugin mode), and a Bridge provider
+is recognised by its class in ``sys.modules``. Where neither is in use both cost nothing.
 
 * :func:`carry_to_bridge_provider` runs in ``TransformerConfig.__post_init__`` (the plugin's
   hook, the patched source), before :func:`~.config.validate_mtp_loss_config`; a Bridge provider
   runs ``__post_init__`` in ``finalize()``.
   When the config is a Megatron-Bridge provider and Megatron's global arguments are set
-  (``megatron.training.global_vars.set_args``, which ``initialize_megatron`` and miles' ``init``
-  call), every field of :class:`~.config.MTPLossConfig` that the arguments hold with a value
-  other than its default is copied onto the provider. Arguments at their default ask for
-  nothing, so a value set on the provider (a Bridge recipe's ``cfg.model.mtp_loss_type``) stays;
+  (``set_args``, which ``initialize_megatron`` and miles' ``init`` call), every field of
+  :class:`~.config.MTPLossConfig` that the arguments hold with a value other than its default
+  is copied onto the provider. Arguments at their default ask for nothing, so a value set on the provider (a Bridge recipe's ``cfg.model.mtp_loss_type``) stays;
   a provider that holds a different non-default value is a conflict and raises ``ValueError``.
 * :func:`check_megatron_args` runs once per model, first in ``MultiTokenPredictionBlock.__init__``
   (the plugin's wrapper, the patched source), whatever built the config: where the arguments ask
@@ -27,21 +29,34 @@ in ``sys.modules``), so both cost nothing where neither is in use.
 
 import dataclasses
 import sys
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 from .config import MTPLossConfig, is_cross_entropy
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(MTPLossConfig)}
 
+#: Returns Megatron's parsed arguments, or None while none are set; None: no training side told
+#: this module where they are (a model built without Megatron's launcher: nothing to check).
+_args_source: Optional[Callable[[], Optional[object]]] = None
+
+
+def set_megatron_args_source(source: Optional[Callable[[], Optional[object]]]) -> None:
+    """Tell the MTP loss where Megatron's parsed arguments are.
+
+    ``source()`` returns them, or None while none are set; it is called where a config is
+    finalized and where a model's MTP block is built, so it must read the current arguments (not
+    a copy: launchers also assign and clear them directly). Megatron's training side calls this
+    once, when its global variables module is imported (patched trees) or at ``install()``
+    (plugin mode): megatron.core never imports megatron.training.
+    """
+    global _args_source
+    _args_source = source
+
 
 def megatron_args() -> Optional[object]:
-    """Megatron's global parsed arguments, or None where ``set_args`` has not run.
-
-    Reads ``megatron.training.global_vars`` only if something imported it: ``get_args()``
-    asserts when the arguments are unset, and importing ``megatron.training`` costs seconds.
-    """
-    global_vars = sys.modules.get('megatron.training.global_vars')
-    return getattr(global_vars, '_GLOBAL_ARGS', None)
+    """Megatron's parsed arguments, or None (none set, or no source told, see
+    :func:`set_megatron_args_source`)."""
+    return _args_source() if _args_source is not None else None
 
 
 def _same(name: str, a, b) -> bool:

@@ -1,6 +1,6 @@
 """Install the TV losses into a running megatron-core (plugin mode).
 
-:func:`install` does five things, each idempotent:
+:func:`install` does six things, each idempotent:
 
 1. adds the fields of :class:`~megatron.mtp_tv.config.MTPLossConfig` to ``TransformerConfig`` and
    every already-imported dataclass subclass (re-running ``dataclasses.dataclass`` on them, so
@@ -14,11 +14,14 @@
    it computes anyway: the wrapper hands a :class:`~megatron.mtp_tv.main_logits.MainLogitsTarget`
    to the loss (through a context variable read by the dispatcher of 2.) and a forward hook on
    the output layer hands it the main logits (patch mode passes both as arguments instead);
-5. checks, when a ``MultiTokenPredictionBlock`` is built, that its config holds the MTP loss
+5. tells :mod:`~megatron.mtp_tv.bridge` where Megatron's parsed arguments are (what a patched
+   ``megatron/training/global_vars.py`` does when imported);
+6. checks, when a ``MultiTokenPredictionBlock`` is built, that its config holds the MTP loss
    settings Megatron's parsed arguments ask for (:func:`~megatron.mtp_tv.bridge.check_megatron_args`).
 
 Patch mode (``patches/``) makes the same changes in the source of a Megatron tree instead. The
-context variable and the hook live here, for plugin mode only.
+context variable, the hook and the read of ``megatron.training``'s globals live here, for plugin
+mode only.
 """
 
 import contextvars
@@ -26,11 +29,13 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import sys
 import threading
 from typing import Callable, Dict, List
 
 import torch
 
+from . import bridge
 from . import config as _config
 from .main_logits import MainLogitsTarget
 
@@ -158,6 +163,7 @@ def install() -> None:
             return
         check_megatron()  # before changing anything: an unknown tree is left as it was
         add_config_fields(TransformerConfig)
+        bridge.set_megatron_args_source(_megatron_training_args)
         _install_loss()
         _install_metrics_logging()
         _install_main_logits()
@@ -200,6 +206,15 @@ def check_megatron() -> None:
             + "\nUse a supported megatron-core (0.19.x, NVIDIA Megatron-LM main or dev), or "
             'tools/make_patches.py --tree, which names the same facts for a checkout.'
         )
+
+
+def _megatron_training_args():
+    """``megatron.training``'s parsed arguments, or None: read where a patched tree's
+    ``global_vars.py`` would hand them over (:func:`~.bridge.set_megatron_args_source`), and only
+    if something imported that module (``get_args()`` asserts while they are unset, and importing
+    ``megatron.training`` costs seconds)."""
+    global_vars = sys.modules.get('megatron.training.global_vars')
+    return getattr(global_vars, '_GLOBAL_ARGS', None)
 
 
 def _params(fn) -> tuple:

@@ -29,7 +29,10 @@ time, written into the source so the feature is native there):
   to the MTP loss and hands it the logits of every main-head projection, so the TV losses take
   their target from the main head's logits; in trees whose MTP loss is inline in
   ``_postprocess`` (radixark ``miles-main``) also the same dispatch as above there, fed exactly
-  what the inline ``'ce'`` code uses.
+  what the inline ``'ce'`` code uses;
+* ``megatron/training/global_vars.py``: at its end, ``set_megatron_args_source(lambda:
+  _GLOBAL_ARGS)``: the training side tells the core's guard and Bridge carry-over where the
+  parsed arguments are (the core never reads ``megatron.training``).
 
 Pristine sources, always pinned: megatron-core 0.19.2 by the sha256 of the files the patch
 touches (read from the installed distribution when it is that release, else from the registry

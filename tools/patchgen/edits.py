@@ -1,6 +1,7 @@
 """AST-anchored edits of the pristine Megatron files, and the unified diffs that make them.
 
-One function per touched file (:func:`edit_config`, :func:`edit_mtp`, :func:`edit_gpt`) finds
+One function per touched file (:func:`edit_config`, :func:`edit_mtp`, :func:`edit_gpt`,
+:func:`edit_global_vars`) finds
 where each snippet goes and records it on an :class:`Editor`, which renders the result and the
 diff.
 """
@@ -9,11 +10,13 @@ import ast
 from typing import Dict, List, Tuple
 
 from .facts import _find_class, _find_function, _inline_if, _postprocess, main_logits_projections
-from .layout import CONFIG_FILE, GPT_FILE, INLINE_CONDITION, MTP_FILE, TARGET_PACKAGE, PatchError
+from .layout import (
+    CONFIG_FILE, GLOBAL_VARS_FILE, GPT_FILE, INLINE_CONDITION, MTP_FILE, TARGET_PACKAGE, PatchError,
+)
 from .package import field_names, shipped_modules
 from .snippets import (
     CALL_KWARG_INDENT, MAIN_LOGITS_MODULE, snippet_attach, snippet_block_args_check,
-    snippet_call_kwarg, snippet_config_import, snippet_fields, snippet_gpt_import,
+    snippet_call_kwarg, snippet_config_import, snippet_fields, snippet_global_vars, snippet_gpt_import,
     snippet_inline_gpt, snippet_postprocess_target, snippet_process_mtp_loss,
     snippet_process_mtp_loss_param, snippet_track_metrics, snippet_validate,
 )
@@ -230,6 +233,24 @@ def edit_gpt(text: str) -> Editor:
     return ed
 
 
+def edit_global_vars(text: str) -> Editor:
+    """At the end of ``megatron/training/global_vars.py``: tell the MTP loss where the parsed
+    arguments are (the module's ``_GLOBAL_ARGS``, read at each call)."""
+    tree = ast.parse(text)
+    globals_ = {
+        target.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Name)
+    }
+    if '_GLOBAL_ARGS' not in globals_ or _find_function(tree.body, 'set_args') is None:
+        raise PatchError(f'{GLOBAL_VARS_FILE}: no module-level _GLOBAL_ARGS and set_args')
+    if 'set_megatron_args_source' in text:
+        raise PatchError(f'{GLOBAL_VARS_FILE} already calls set_megatron_args_source: already patched?')
+    ed = Editor(text)
+    ed.insert(len(ed.lines), snippet_global_vars())
+    return ed
+
+
 def _last_argument_line(ed: Editor, post) -> int:
     """0-based index of the closing line of ``_postprocess``'s ``process_mtp_loss(...)`` call,
     where the ``main_logits_target`` argument goes (after its keyword arguments, one per line)."""
@@ -258,6 +279,7 @@ def megatron_edits(files: Dict[str, str]) -> Dict[str, Editor]:
         CONFIG_FILE: edit_config(files[CONFIG_FILE]),
         MTP_FILE: edit_mtp(files[MTP_FILE]),
         GPT_FILE: edit_gpt(files[GPT_FILE]),
+        GLOBAL_VARS_FILE: edit_global_vars(files[GLOBAL_VARS_FILE]),
     }
 
 

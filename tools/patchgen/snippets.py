@@ -5,7 +5,9 @@ target's :class:`~patchgen.facts.Facts` only), and the edits each touched file g
 from typing import Dict, List, Sequence, Tuple
 
 from .facts import Facts
-from .layout import CONFIG_FILE, GPT_FILE, INLINE_CONDITION, MTP_FILE, TARGET_MODULE
+from .layout import (
+    CONFIG_FILE, GLOBAL_VARS_FILE, GPT_FILE, INLINE_CONDITION, MTP_FILE, TARGET_MODULE,
+)
 
 from .package import fields_block, tv_loss_params
 
@@ -43,6 +45,22 @@ def snippet_validate() -> List[str]:
         "        # the ones Megatron's parsed arguments ask for (mtp_tv/bridge.py).",
         '        carry_to_bridge_provider(self)',
         '        validate_mtp_loss_config(self)',
+    ]
+
+
+def snippet_global_vars() -> List[str]:
+    """Appended to ``megatron/training/global_vars.py``: where the MTP loss reads the arguments."""
+    return [
+        '',
+        '',
+        _HEADER,
+        "# megatron.core checks the MTP loss settings Megatron's parsed arguments ask for against the",
+        '# model config (and carries them onto Megatron-Bridge providers) but never imports',
+        '# megatron.training: tell it where the arguments are. Read at each call, so it sees what',
+        '# set_args, unset_global_variables or a direct assignment of _GLOBAL_ARGS left.',
+        f'from {TARGET_MODULE}.bridge import set_megatron_args_source  # noqa: E402',
+        '',
+        'set_megatron_args_source(lambda: _GLOBAL_ARGS)',
     ]
 
 
@@ -206,6 +224,7 @@ def expected_edits(facts: Facts) -> Dict[str, List[Tuple[List[str], List[str]]]]
         CONFIG_FILE: [(snippet_config_import(), []), (snippet_fields(), []), (snippet_validate(), [])],
         MTP_FILE: mtp,
         GPT_FILE: gpt,
+        GLOBAL_VARS_FILE: [(snippet_global_vars(), [])],
     }
 
 
