@@ -20,6 +20,8 @@ from typing import Dict, Iterator, List, NamedTuple, Optional
 import torch
 
 __all__ = [
+    "random_batch",
+    "sweep_targets_seen",
     "build_gpt_with_mtp",
     "build_hybrid_with_mtp",
     "forward_loss",
@@ -30,6 +32,34 @@ __all__ = [
     "gather_tp_params",
     "compare_gathered",
 ]
+
+
+def random_batch(vocab: int, seq: int, batch: int, seed: int = 0, keep: float = 0.75):
+    """``(tokens [b, s], labels [b, s], loss_mask [b, s])``: labels the next tokens, a random
+    fraction ``keep`` of the mask set."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    mask = (torch.rand(batch, seq, generator=g) > 1 - keep).float()
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask
+
+
+@contextlib.contextmanager
+def sweep_targets_seen() -> Iterator[List[bool]]:
+    """For every ``linear_tv_loss`` call of the MTP loss while open, whether it read the main
+    logits as its target (``target_logits`` given)."""
+    from megatron.mtp_tv import mtp_loss
+
+    seen, original = [], mtp_loss.linear_tv_loss
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get('target_logits') is not None)
+        return original(*args, **kwargs)
+
+    mtp_loss.linear_tv_loss = spy
+    try:
+        yield seen
+    finally:
+        mtp_loss.linear_tv_loss = original
 
 
 def _cpu_config(vocab_size, num_layers, hidden_size, num_attention_heads, mtp_num_layers,

@@ -10,16 +10,15 @@ of NVIDIA dev). bf16/fp16 gradients are held to twice Megatron CE's own error in
 ``tests/test_precision.py``, peak memory to CE's in ``tests/test_memory_bound.py``.
 """
 
-import contextlib
 
 import pytest
 import torch
 
 import megatron.mtp_tv
-from megatron.mtp_tv import mtp_loss as mtp_loss_module
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import CrossEntropy
 from mtp_tv_dev.distributed import spawn
+from mtp_tv_dev.models import random_batch, sweep_targets_seen
 
 megatron.mtp_tv.install()
 
@@ -27,10 +26,7 @@ VOCAB, HIDDEN, SEQ, BATCH, FACTOR = 64, 32, 12, 2, 0.3
 
 
 def _batch(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-    mask = (torch.rand(BATCH, SEQ, generator=g) > 0.25).float()
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask
+    return random_batch(VOCAB, SEQ, BATCH, seed)
 
 
 # ------------------------------------------------------------------------- the sweep, float64
@@ -135,22 +131,6 @@ def test_the_flag_is_a_megatron_argument(monkeypatch):
 
 # ------------------------------------------------------------- a GPTModel against Megatron's 'ce'
 
-@contextlib.contextmanager
-def _sweeps_seen():
-    """Whether each ``linear_tv_loss`` call of the MTP loss read the main logits as its target."""
-    seen, original = [], mtp_loss_module.linear_tv_loss
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get('target_logits') is not None)
-        return original(*args, **kwargs)
-
-    mtp_loss_module.linear_tv_loss = spy
-    try:
-        yield seen
-    finally:
-        mtp_loss_module.linear_tv_loss = original
-
-
 def _step(model, chunked, log_acceptance=False):
     """One forward and backward: ``(main loss, grads, tracker, metrics, sweeps seen)``."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
@@ -161,7 +141,7 @@ def _step(model, chunked, log_acceptance=False):
     model.config.mtp_ce_chunked, model.config.mtp_log_acceptance = chunked, log_acceptance
     model.zero_grad(set_to_none=True)
     MTPLossLoggingHelper.tracker.clear()
-    with _sweeps_seen() as seen:
+    with sweep_targets_seen() as seen:
         loss = forward_loss(model, tokens, labels, mask)
         ((loss * mask).sum() / mask.sum()).backward()
     tracker = {k: v.clone() for k, v in MTPLossLoggingHelper.tracker.items()

@@ -8,11 +8,10 @@ import pytest
 import torch
 
 import megatron.mtp_tv
-from megatron.mtp_tv import mtp_loss as mtp_loss_module
 from megatron.mtp_tv.losses import LOSSES
 from megatron.mtp_tv.main_logits import MainLogitsTarget
 from mtp_tv_dev.distributed import single_process
-from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss
+from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss, random_batch, sweep_targets_seen
 
 megatron.mtp_tv.install()
 
@@ -26,27 +25,7 @@ def _process_group():
 
 
 def _batch(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-    mask = (torch.rand(BATCH, SEQ, generator=g) > 0.25).float()
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask
-
-
-@contextlib.contextmanager
-def _targets_seen():
-    """Record, for every linear_tv_loss call of the MTP loss, whether its target was logits."""
-    seen = []
-    original = mtp_loss_module.linear_tv_loss
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get('target_logits') is not None)
-        return original(*args, **kwargs)
-
-    mtp_loss_module.linear_tv_loss = spy
-    try:
-        yield seen
-    finally:
-        mtp_loss_module.linear_tv_loss = original
+    return random_batch(VOCAB, SEQ, BATCH, seed)
 
 
 def _model(loss_type='tv', depth=2, **overrides):
@@ -60,7 +39,7 @@ def _step(model, monkeypatch=None, own=False):
     tokens, labels, mask = _batch()
     model.config.mtp_tv_target = 'projection' if own else 'main_logits'
     with contextlib.ExitStack() as stack:
-        seen = stack.enter_context(_targets_seen())
+        seen = stack.enter_context(sweep_targets_seen())
         loss = forward_loss(model, tokens, labels, mask)
         (loss * mask).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -89,7 +68,7 @@ def test_without_labels_the_returned_logits_are_megatrons_and_carry_the_mtp_grad
     # RL stacks (miles): no labels; the MTP labels come from input_ids, the logits are returned.
     model = _model('tv', depth=1)
     tokens, _, _ = _batch()
-    with _targets_seen() as seen:
+    with sweep_targets_seen() as seen:
         logits = forward_loss(model, tokens, None)
     assert seen == [True]
     logits.float().logsumexp(-1).sum().backward()
@@ -110,7 +89,7 @@ def test_output_processor_falls_back_to_the_own_projection():
         logits, _ = output_layer(hidden_states, weight=output_weight)
         return logits.float().logsumexp(-1).sum()
 
-    with _targets_seen() as seen:
+    with sweep_targets_seen() as seen:
         out = model(
             input_ids=tokens, position_ids=torch.arange(SEQ).expand(BATCH, SEQ),
             attention_mask=None, labels=labels, loss_mask=mask, output_processor=output_processor,
@@ -134,7 +113,7 @@ def test_fused_linear_cross_entropy_and_the_switch_fall_back(monkeypatch):
 def test_eval_uses_the_main_logits_without_gradients():
     model = _model('tv', depth=2).eval()
     tokens, labels, mask = _batch()
-    with torch.no_grad(), _targets_seen() as seen:
+    with torch.no_grad(), sweep_targets_seen() as seen:
         loss = forward_loss(model, tokens, labels, mask)
     assert seen == [True] and torch.isfinite(loss).all()
 
@@ -157,7 +136,7 @@ def test_the_target_runs_the_deferred_loss_once_on_the_logits_it_is_given():
     model = _model('tv', depth=1)
     kwargs = _process_mtp_tv_loss_kwargs(model, 1)
     target = MainLogitsTarget.for_postprocess(model)
-    with _targets_seen() as seen:
+    with sweep_targets_seen() as seen:
         main_hidden = process_mtp_tv_loss(**kwargs, main_logits_target=target)
         assert seen == [] and target.pending and target.main_hidden is main_hidden
         with pytest.raises(RuntimeError, match='never projected the main hidden states'):
@@ -208,7 +187,7 @@ def test_main_logits_given_to_process_mtp_tv_loss_replace_the_projection():
     )
     grads = []
     for main_logits in (None, hidden[:SEQ].detach() @ weight.detach().t()):
-        with _targets_seen() as seen:
+        with sweep_targets_seen() as seen:
             out = process_mtp_tv_loss(hidden_states=hidden, main_logits=main_logits, **kwargs)
         assert seen == [main_logits is not None]
         out.sum().backward()

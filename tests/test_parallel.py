@@ -13,16 +13,14 @@ import torch
 
 from megatron.mtp_tv.losses import LOSSES
 from mtp_tv_dev.distributed import spawn
+from mtp_tv_dev.models import random_batch
 from mtp_tv_dev.reference import depth_terms, objective, per_token_values, shifted_mask
 
 VOCAB, HIDDEN, SEQ, BATCH, FACTOR = 64, 32, 12, 2, 0.3
 
 
 def _batch(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-    mask = (torch.rand(BATCH, SEQ, generator=g) > 0.25).float()
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask
+    return random_batch(VOCAB, SEQ, BATCH, seed)
 
 
 def _model_worker(rank, loss_type, depth, tie, sequence_parallel):
