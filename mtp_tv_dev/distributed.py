@@ -216,9 +216,9 @@ def spawn(
     Each worker has: the CPU shims applied, ``torch.distributed`` initialised (gloo),
     ``parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
     context_parallel_size=cp)`` (data parallel takes the rest), every RNG seeded with ``seed``
-    (megatron's TP tracker with ``seed + 2718 + tp_rank`` as usual), and
-    the parent's torch threads shared among them (at least one each). The parallel state and process group are destroyed
-    after ``fn`` returns.
+    (megatron's TP tracker with ``seed + 2718 + tp_rank`` as usual), and the parent's torch
+    threads shared among them (at least one each). The parallel state and process group are
+    destroyed after ``fn`` returns.
 
     Raises :class:`WorkerError` (with the worker tracebacks) when a worker raises, dies, or the
     whole run exceeds ``timeout`` seconds; all workers are killed first. ``timeout`` also bounds

@@ -36,9 +36,9 @@ def _share_the_cores() -> None:
         return
     import torch
 
-    threads = str(max(1, (os.cpu_count() or 1) // workers))
-    os.environ['OMP_NUM_THREADS'] = threads  # the demos and tools the tests run as subprocesses
-    torch.set_num_threads(int(threads))
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    os.environ['OMP_NUM_THREADS'] = str(threads)  # the demos and tools the tests run as subprocesses
+    torch.set_num_threads(threads)
 
 
 _share_the_cores()

@@ -17,7 +17,8 @@ is recognised by its class in ``sys.modules``. Where neither is in use both cost
   When the config is a Megatron-Bridge provider and Megatron's global arguments are set
   (``set_args``, which ``initialize_megatron`` and miles' ``init`` call), every field of
   :class:`~.config.MTPLossConfig` that the arguments hold with a value other than its default
-  is copied onto the provider. Arguments at their default ask for nothing, so a value set on the provider (a Bridge recipe's ``cfg.model.mtp_loss_type``) stays;
+  is copied onto the provider. Arguments at their default ask for nothing, so a value set on
+  the provider (a Bridge recipe's ``cfg.model.mtp_loss_type``) stays;
   a provider that holds a different non-default value is a conflict and raises ``ValueError``.
 * :func:`check_megatron_args` runs once per model, first in ``MultiTokenPredictionBlock.__init__``
   (the plugin's wrapper, the patched source), whatever built the config: where the arguments ask
