@@ -13,12 +13,15 @@
 #
 # ARGS="..." is passed to the demo / benchmark script, PYTEST_ARGS="..." to pytest.
 # TEST_WORKERS (default: one per core) is pytest-xdist's worker count; 0 runs in one process.
+# Test files go one at a time to whichever worker is free (--dist=loadfile), the files with the
+# most tests first: a module-scoped fixture (a model load, a benchmark run) is built once.
 
 SHELL := /bin/bash
 PY := .venv/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 TEST_WORKERS ?= auto
+XDIST := --numprocesses=$(TEST_WORKERS) --dist=loadfile
 
 .PHONY: setup setup-hf demo demo-smollm2 test test-patched patches bench
 
@@ -36,13 +39,13 @@ demo-smollm2: setup-hf
 
 # pytest exits 5 when it collected no tests; that must fail `make test` (and CI) loudly.
 test: setup-hf
-	@rc=0; $(PY) -m pytest tests -q -ra --durations=15 --numprocesses=$(TEST_WORKERS) $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; $(PY) -m pytest tests -q -ra --durations=15 $(XDIST) $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: ERROR: pytest collected no tests" >&2; fi; \
 	exit $$rc
-	$(PY) tools/run_patched_suite.py -- --numprocesses=$(TEST_WORKERS)
+	$(PY) tools/run_patched_suite.py -- $(XDIST)
 
 test-patched: setup
-	$(PY) tools/run_patched_suite.py -- --numprocesses=$(TEST_WORKERS)
+	$(PY) tools/run_patched_suite.py -- $(XDIST)
 
 patches: setup
 	$(PY) tools/make_patches.py

@@ -47,6 +47,7 @@ __all__ = [
     "seed_everything",
     "reset_mtp_tracker",
     "reset_megatron_state",
+    "keeps_world",
 ]
 
 DEFAULT_TIMEOUT = 120.0
@@ -138,11 +139,11 @@ def _initialise(rank: int, world_size: int, tp: int, cp: int, seed: int, store, 
     seed_everything(seed)
 
 
-def _teardown(owns_process_group: bool) -> None:
+def _teardown() -> None:
     import torch.distributed as dist
 
     reset_megatron_state()
-    if owns_process_group and dist.is_initialized():
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -164,7 +165,7 @@ def _worker(rank, world_size, tp, cp, seed, port, timeout, threads, fn_bytes, re
         try:
             result = fn(rank, *args)
         finally:
-            _teardown(owns_process_group=True)
+            _teardown()
         # Pickle here, not in the queue's feeder thread, so that an unpicklable result is
         # reported as this rank's error instead of being lost.
         payload = pickle.dumps(result)
@@ -314,8 +315,52 @@ def spawn(
 
 
 _SINGLE_DEPTH = 0
-_SINGLE_OWNS_PG = False
 _SINGLE_OWNS_SHIMS = False
+
+
+class _KeptWorld:
+    """The world of one that :func:`single_process` built in this process, kept between uses.
+
+    Megatron's ``initialize_model_parallel`` builds about twenty gloo groups, and tearing a gloo
+    group down joins its event-loop thread, which wakes every 10 ms: 0.1-0.25 s a use, most of
+    a small test's time. So the groups are built once per process: on exit megatron's parallel
+    state is reset as before (its globals are None, ``model_parallel_is_initialized()`` is False),
+    and the next use restores the globals that ``initialize_model_parallel`` left, whatever a
+    test changed in between.
+    """
+
+    world = None  # torch's default group of the kept world
+    megatron_globals: dict = {}
+
+    @classmethod
+    def is_current(cls) -> bool:
+        import torch.distributed as dist
+
+        return cls.world is not None and dist.is_initialized() and dist.group.WORLD is cls.world
+
+    @classmethod
+    def build(cls, seed: int, timeout: float) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        _initialise(0, 1, 1, 1, seed, dist.HashStore(), timeout)
+        cls.world = dist.group.WORLD
+        cls.megatron_globals = {name: value for name, value in vars(parallel_state).items()
+                                if name.startswith('_') and name[1:2].isupper()}
+
+    @classmethod
+    def enter(cls, seed: int) -> None:
+        from megatron.core import parallel_state
+
+        vars(parallel_state).update(cls.megatron_globals)
+        reset_mtp_tracker()
+        seed_everything(seed)
+
+
+def keeps_world() -> bool:
+    """True if torch.distributed's default group is the world of one :func:`single_process` keeps
+    for its next use (tests/conftest.py leaves that one initialised between tests)."""
+    return _KeptWorld.is_current()
 
 
 @contextlib.contextmanager
@@ -324,18 +369,20 @@ def single_process(seed: int = DEFAULT_SEED, timeout: float = DEFAULT_TIMEOUT) -
 
     Re-entrant: a nested ``single_process`` reuses the outer set-up (and only re-seeds). On the
     outermost exit the megatron parallel state, the RNG tracker, the MTP tracker, the MTP loss
-    scale and (if this function created them) the process group and the CPU shims are torn down,
-    so consecutive tests start clean. Models built inside are meant to be used inside.
+    scale and (if this function applied them) the CPU shims are torn down, so consecutive tests
+    start clean; the gloo groups are kept for the next use (:class:`_KeptWorld`). Models built
+    inside are meant to be used inside.
     """
-    global _SINGLE_DEPTH, _SINGLE_OWNS_PG, _SINGLE_OWNS_SHIMS
+    global _SINGLE_DEPTH, _SINGLE_OWNS_SHIMS
     import torch.distributed as dist
 
     if _SINGLE_DEPTH == 0:
         _SINGLE_OWNS_SHIMS = not cpu_shims_applied()
         apply_cpu_shims()
-        owns_pg = not dist.is_initialized()
-        if owns_pg:
-            _initialise(0, 1, 1, 1, seed, dist.HashStore(), timeout)
+        if _KeptWorld.is_current():
+            _KeptWorld.enter(seed)
+        elif not dist.is_initialized():
+            _KeptWorld.build(seed, timeout)
         else:
             # Someone else set up torch.distributed (e.g. a caller under torchrun): use it.
             if dist.get_world_size() != 1:
@@ -349,7 +396,6 @@ def single_process(seed: int = DEFAULT_SEED, timeout: float = DEFAULT_TIMEOUT) -
                 parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
             reset_mtp_tracker()
             seed_everything(seed)
-        _SINGLE_OWNS_PG = owns_pg
     else:
         seed_everything(seed)
     _SINGLE_DEPTH += 1
@@ -358,8 +404,7 @@ def single_process(seed: int = DEFAULT_SEED, timeout: float = DEFAULT_TIMEOUT) -
     finally:
         _SINGLE_DEPTH -= 1
         if _SINGLE_DEPTH == 0:
-            _teardown(owns_process_group=_SINGLE_OWNS_PG)
-            _SINGLE_OWNS_PG = False
+            reset_megatron_state()
             if _SINGLE_OWNS_SHIMS:
                 # Leave torch.cuda as we found it: a later GPU test in the same process needs
                 # the real current_device / RNG functions.

@@ -6,7 +6,8 @@
 * megatron-core's CPU-irrelevant warnings are silenced (see ``quiet_megatron_warnings``).
 * Every test starts and ends with the environment variables it started with, and without
   megatron parallel state, MTP logging tracker contents, a
-  leftover process group or the CPU shims applied, whatever the previous test did.
+  leftover process group (but the world of one ``single_process`` keeps for its next use) or the
+  CPU shims applied, whatever the previous test did.
 * Under pytest-xdist (``make test`` runs one worker per core) each worker keeps to its share of
   the cores, it and the processes it starts (see ``_share_the_cores``).
 * Fixture ``megatron_cpu``: the body of the test runs inside ``single_process()`` (gloo world of
@@ -66,10 +67,12 @@ def _reset_if_megatron_loaded():
         return
     import torch.distributed as dist
 
-    from mtp_tv_dev.distributed import reset_megatron_state
+    from mtp_tv_dev.distributed import keeps_world, reset_megatron_state
 
     reset_megatron_state()
-    if dist.is_available() and dist.is_initialized():
+    # A process group a test made goes; the world of one single_process() keeps does not (its
+    # gloo groups cost 0.1-0.25 s to tear down, and megatron's state is reset above).
+    if dist.is_available() and dist.is_initialized() and not keeps_world():
         dist.destroy_process_group()
 
 

@@ -167,11 +167,34 @@ def test_single_process_is_reentrant_and_cleans_up():
                 assert ps.get_tensor_model_parallel_world_size() == 1
             assert ps.model_parallel_is_initialized()
             MTPLossLoggingHelper.tracker["loss_values"] = torch.ones(1)
+            ps.set_tensor_model_parallel_world_size(4)  # what a test may change in between
         assert not ps.model_parallel_is_initialized()
-        assert not dist.is_initialized()
+        assert distributed.keeps_world() and dist.get_world_size() == 1  # kept for the next use
         assert not cpu.cpu_shims_applied()  # torch.cuda is left as it was found
         assert MTPLossLoggingHelper.tracker == {}
     assert distributed.run_single_process(lambda rank, x: (rank, x), 5) == (0, 5)
+
+
+def test_single_process_restores_megatrons_state_and_rebuilds_a_destroyed_world():
+    """The kept world comes back as initialize_model_parallel left it; a world somebody
+    destroyed (or a group of someone else's) is not mistaken for it."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    with distributed.single_process():
+        groups = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+        ps.set_tensor_model_parallel_world_size(4)
+    with distributed.single_process():
+        assert ps.get_tensor_model_parallel_world_size() == 1
+        assert (ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()) == groups
+        dist.destroy_process_group()
+    assert not distributed.keeps_world()
+    with distributed.single_process():
+        assert distributed.keeps_world() and ps.model_parallel_is_initialized()
+        assert ps.get_tensor_model_parallel_group() is not groups[0]
+        x = torch.ones(3)
+        dist.all_reduce(x, group=ps.get_tensor_model_parallel_group())
+        assert x.tolist() == [1.0, 1.0, 1.0]
 
 
 def test_same_seed_same_weights(megatron_cpu):

@@ -136,6 +136,13 @@ def test_cached_states_step_equals_gpt_model_backward(smollm2, megatron_cpu, los
         assert changed == name.startswith('mtp.'), name
 
 
+def _children_cpu_seconds() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _run_demo(args, env_extra=None):
     import os
     import subprocess
@@ -154,14 +161,12 @@ def test_smoke_preset_runs_every_scenario_and_resumes(tmp_path):
     part's file removed, a rerun runs that part alone, reading the official head and the
     fine-tuned backbone that it needs from the cache folder."""
     import json
-    import os
-    import time
 
     pytest.importorskip('transformers', reason='the pinned Hugging Face stack (make setup-hf)')
     out = tmp_path / 'results'
-    t0 = time.monotonic()
+    cpu_before = _children_cpu_seconds()
     res = _run_demo(['--preset', 'smoke', '--results-dir', str(out)])
-    elapsed = time.monotonic() - t0
+    cpu = _children_cpu_seconds() - cpu_before
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     from smollm2_lib import experiment as X
 
@@ -188,7 +193,9 @@ def test_smoke_preset_runs_every_scenario_and_resumes(tmp_path):
     assert '## Cold start' in res.stdout and '## Joint training' in res.stdout
     assert (out / 'report.md').read_text().strip() == res.stdout.strip()
     assert (out / 'smollm2_curves.png').stat().st_size > 10_000
-    assert elapsed < 120 or os.getloadavg()[0] > 3, f'{elapsed:.0f}s on an idle machine'
+    # A smoke run stays one: CPU time, not wall time, which doubles when the other pytest-xdist
+    # worker shares the core (about 60 CPU-seconds on one thread of the 2-core CI machine).
+    assert cpu < 240, f'the smoke preset took {cpu:.0f} CPU-seconds'
 
     (out / 'parts' / 'heal_tv_s0.json').unlink()
     rerun = _run_demo(['--preset', 'smoke', '--results-dir', str(out), '--no-plot'])
