@@ -177,7 +177,7 @@ def test_single_process_is_reentrant_and_cleans_up():
 
 def test_single_process_restores_megatrons_state_and_rebuilds_a_destroyed_world():
     """The kept world comes back as initialize_model_parallel left it; a world somebody
-    destroyed (or a group of someone else's) is not mistaken for it."""
+    destroyed, or one somebody else initialised, is not mistaken for it."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -189,6 +189,9 @@ def test_single_process_restores_megatrons_state_and_rebuilds_a_destroyed_world(
         assert (ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()) == groups
         dist.destroy_process_group()
     assert not distributed.keeps_world()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert not distributed.keeps_world()  # somebody else's world of one
+    dist.destroy_process_group()
     with distributed.single_process():
         assert distributed.keeps_world() and ps.model_parallel_is_initialized()
         assert ps.get_tensor_model_parallel_group() is not groups[0]

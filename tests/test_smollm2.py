@@ -194,7 +194,7 @@ def test_smoke_preset_runs_every_scenario_and_resumes(tmp_path):
     assert (out / 'report.md').read_text().strip() == res.stdout.strip()
     assert (out / 'smollm2_curves.png').stat().st_size > 10_000
     # A smoke run stays one: CPU time, not wall time, which doubles when the other pytest-xdist
-    # worker shares the core (about 60 CPU-seconds on one thread of the 2-core CI machine).
+    # worker shares the core (about 60 CPU-seconds on one thread of a 2-core machine).
     assert cpu < 240, f'the smoke preset took {cpu:.0f} CPU-seconds'
 
     (out / 'parts' / 'heal_tv_s0.json').unlink()
