@@ -165,19 +165,71 @@ def test_quick_run_memory_is_sane(quick_report):
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_on_cpu(tmp_path):
-    """``tools/gpu_check.py`` is meant for a short GPU lease: keep it runnable, checks passing."""
+    """``tools/gpu_check.py`` is meant for a short GPU lease: keep it runnable end to end, every
+    phase done and every check passing, the report on disk."""
     proc = subprocess.run(
         [sys.executable, os.path.join(TOOLS, 'gpu_check.py'), '--device', 'cpu', '--quick',
-         '--dtype', 'float32', '--warmup', '0', '--repeats', '1', '--out', str(tmp_path)],
+         '--dtype', 'float32', '--repeats', '1', '--out', str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / 'gpu_check.json').read_text())
     assert report['checks'] and all(c['ok'] for c in report['checks'])
-    cases = {r['case'] for r in report['bench']['rows']}
-    assert {'ce', 'tv chunk 32', 'tv-recompute chunk 32', 'tv-products chunk 32',
-            'ce-products', 'e2e_tv chunk 32'} <= cases
+    assert {name: p['status'] for name, p in report['phases'].items()} == {
+        name: 'done' for name in ('reference', 'kernels', 'bf16', 'chunked_ce', 'main_logits',
+                                  'big_chunk', 'model', 'bench')}
+    assert {c['check'] for c in report['checks']} >= {
+        'reference', 'bf16 vs fp32', 'chunked ce vs megatron ce', 'main logits vs projection',
+        'big chunk', 'GPTModel bf16 steps'}
+    assert report['preflight']['megatron_ce'] == 'vocab_parallel_cross_entropy'
+    cases = {(r['depths'], r['case']) for r in report['bench']}
+    assert {(1, 'ce'), (1, 'ce fused'), (1, 'ce chunked'), (1, 'tv'), (1, 'tv projection'),
+            (1, 'nla'), (3, 'ce x3'), (3, 'e2e_tv')} <= cases
     assert '## Benchmark' in (tmp_path / 'gpu_check.md').read_text()
+
+
+def test_gpu_check_records_a_failed_phase_and_runs_the_next(tmp_path, monkeypatch):
+    """An exception in one phase is in the report with its traceback; the phases after it run,
+    and the report on disk is complete after every phase."""
+    sys.path.insert(0, TOOLS)
+    import gpu_check
+    from gpucheck import correctness
+
+    written = []
+    original_write = gpu_check.Report.write
+
+    def write(self):
+        original_write(self)
+        written.append({n: p.get('status') for n, p in self.data['phases'].items()})
+
+    def broken(*args, **kwargs):
+        raise RuntimeError('planted failure')
+
+    monkeypatch.setattr(gpu_check.Report, 'write', write)
+    monkeypatch.setattr(correctness, 'bf16_against_fp32', broken)
+    rc = gpu_check.main(['--device', 'cpu', '--quick', '--dtype', 'float32', '--out',
+                         str(tmp_path), '--skip', 'reference,main_logits,big_chunk,model,bench'])
+    assert rc == 1
+    report = json.loads((tmp_path / 'gpu_check.json').read_text())
+    assert report['phases']['bf16']['status'] == 'failed'
+    assert 'planted failure' in report['phases']['bf16']['traceback']
+    assert report['phases']['chunked_ce']['status'] == 'done'  # the next phase ran
+    assert {'bf16': 'failed'}.items() <= written[-1].items()
+    assert any(w.get('bf16') == 'running' for w in written)  # written as the phase began
+
+
+def test_gpu_check_fails_loudly_without_megatrons_cross_entropy(tmp_path):
+    """Without Megatron's CE (megatron-core missing, or installed without numpy) no ratio would
+    mean anything: exit 2 before any phase, the reason in the report."""
+    prelude = ("import sys, runpy; sys.modules['megatron.core.tensor_parallel'] = None; "
+               f"sys.argv = ['gpu_check.py', '--device', 'cpu', '--quick', '--out', {str(tmp_path)!r}]; "
+               f"runpy.run_path({os.path.join(TOOLS, 'gpu_check.py')!r}, run_name='__main__')")
+    proc = subprocess.run([sys.executable, '-c', prelude], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / 'gpu_check.json').read_text())
+    assert "vocab_parallel_cross_entropy is not importable" in report['fatal']
+    assert not report['phases'] and not report['checks']
 
 
 def test_paired_ratio_cancels_a_slowdown_that_hits_a_whole_round():

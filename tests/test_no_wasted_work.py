@@ -143,3 +143,43 @@ def test_low_precision_weights_take_the_gradient_products_depth_by_depth():
                              loss_type='tv', chunk_size=chunk_positions * 2)
         out.loss.backward()
     assert training.count == chunks * (1 + 2 * G)
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _row_op_launches(device: str, rows: int, vocab: int = 151936) -> int:
+    """aten calls (one kernel launch each on a GPU) of the torch row ops' passes over one
+    chunk: normalise target and draft rows, the pair sums, the gradient. Fake tensors: the
+    count needs shapes and devices only, not a GPU or the memory."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron.mtp_tv.row_ops import TorchRowOps
+
+    with FakeTensorMode():
+        zt, zq = (torch.empty(rows, vocab, device=device) for _ in range(2))
+        coef = torch.empty(rows, device=device)
+        ops = TorchRowOps()
+        with _OpCounter() as counter:
+            p, _ = ops.normalise_(zt, None)
+            q, _ = ops.normalise_(zq, None, vocab_start=0)
+            sums = ops.pair_sums(p, q, dot=True, kl=True)
+            ops.grad_(p, q, sums.dot, coef, coef)
+    return counter.count
+
+
+def test_torch_row_ops_launch_per_chunk_on_cuda_and_block_for_the_cache_on_cpu():
+    """On CUDA every pass of the torch row ops is one kernel over the chunk, whatever its rows
+    (cache-sized blocks of ~6 rows at a 152k vocabulary would be thousands of launches per
+    chunk); on a CPU the passes run block by block, so their count grows with the rows."""
+    cuda = [_row_op_launches('cuda', rows) for rows in (64, 1024)]
+    cpu = [_row_op_launches('cpu', rows) for rows in (64, 1024)]
+    assert cuda[0] == cuda[1] < 200  # 186 here
+    assert cpu[1] > 8 * cpu[0] and cpu[0] > 5 * cuda[0]

@@ -165,11 +165,15 @@ def process_mtp_tv_loss(
         needs_target_hidden,
     )
     target = target if with_target else None  # cross-entropy without metrics: no target rows
-    cu_seqlens = packed_seq_params.cu_seqlens_q.tolist() if packed_seq_params is not None else None
-    segments = (  # without the target's hidden states (no CP): one segment over the sequence
-        [TargetSegment(0, draft.shape[1])] if target is None
-        else target_segments(target, depth, cp_group, cu_seqlens, cp_layout)
-    )
+    # Without context parallelism a sequence's targets are its own rows (the rolled masks stop
+    # them at its end): one segment, and the packed bounds are never read. Under zigzag CP they
+    # place the halos; that read (one per micro-batch) is this function's host synchronisation.
+    if target is None or group_size(cp_group) == 1:
+        segments = [TargetSegment(0, draft.shape[1])]
+    else:
+        zigzag_packed = packed_seq_params is not None and cp_layout == 'zigzag'
+        cu_seqlens = packed_seq_params.cu_seqlens_q.tolist() if zigzag_packed else None
+        segments = target_segments(target, depth, cp_group, cu_seqlens, cp_layout)
 
     def sweep(main_logits: Optional[Tensor] = None) -> Tensor:
         """The loss (and the tracker's metrics), from the main logits or projecting the target."""

@@ -6,6 +6,8 @@ imports.
 """
 
 import math
+import warnings
+from typing import Dict, Literal, Tuple
 
 import torch
 
@@ -19,9 +21,10 @@ class Products:
     """The sweep's matrix products with fp32 accumulation and fp32 results for any weight dtype.
 
     fp32 weights use plain (in-place, ``out=``) fp32 GEMMs. bf16/fp16 weights keep their
-    low-precision operands: on CUDA through ``out_dtype=torch.float32`` GEMMs (tensor cores
-    accumulate in fp32); on CPU, which has no such kernel, by upcasting the operands, which gives
-    the same products (the product of two bf16/fp16 numbers is exact in fp32). Other dtypes
+    low-precision operands: on CUDA through ``out_dtype=torch.float32`` GEMMs written in place
+    (tensor cores accumulate in fp32; :func:`gemm_path` checks once per device and dtype that
+    the torch build has them); on CPU, which has no such kernel, by upcasting the operands,
+    which gives the same products (the product of two bf16/fp16 numbers is exact in fp32). Other dtypes
     (fp64, in tests) are rounded to fp32 operands: the sweep computes in fp32 whatever the
     weight's dtype. The fp32 copy of a non-fp32 weight is made once per sweep.
 
@@ -36,6 +39,9 @@ class Products:
         self.weight = weight
         self.native = weight.dtype == torch.float32
         self.half = weight.dtype in (torch.float16, torch.bfloat16)
+        # Low-precision operands with fp32 accumulation in place: CUDA where torch has the
+        # out_dtype GEMMs; everywhere else the operands are upcast.
+        self.accumulating = self.half and gemm_path(weight.device, weight.dtype) == 'out_dtype'
         self._weight32 = None
 
     def gradient_scale(self, token_weights: torch.Tensor, bound_per_weight: float) -> torch.Tensor:
@@ -53,16 +59,16 @@ class Products:
         """``out = inputs @ W^T`` (``out``: ``[m, V/tp]`` fp32)."""
         if self.native:
             return torch.mm(inputs, self.weight.t(), out=out)
-        if self.half and inputs.is_cuda:
-            return _mm_out_fp32(inputs, self.weight.t(), out)
+        if self.accumulating:
+            return torch.mm(inputs, self.weight.t(), out_dtype=torch.float32, out=out)
         return torch.mm(inputs.float(), self._fp32_weight().t(), out=out)
 
     def input_grad(self, g: torch.Tensor, out: torch.Tensor) -> None:
         """``out = g @ W`` (``g``: ``[n, V/tp]`` in the weight's dtype; ``out`` fp32)."""
         if self.native:
             torch.mm(g, self.weight, out=out)
-        elif self.half and g.is_cuda:
-            _mm_out_fp32(g, self.weight, out)
+        elif self.accumulating:
+            torch.mm(g, self.weight, out_dtype=torch.float32, out=out)
         else:
             torch.mm(g.float(), self._fp32_weight(), out=out)
 
@@ -71,8 +77,8 @@ class Products:
         beta = 1.0 if accumulate else 0.0
         if self.native:
             grad_weight.addmm_(g.t(), x, beta=beta)
-        elif self.half and g.is_cuda:
-            _addmm_fp32_(grad_weight, g.t(), x, beta)
+        elif self.accumulating:
+            torch.addmm(grad_weight, g.t(), x, beta=beta, out_dtype=torch.float32, out=grad_weight)
         else:
             grad_weight.addmm_(g.t().float(), x.float(), beta=beta)
 
@@ -82,18 +88,46 @@ class Products:
         return self._weight32
 
 
-def _mm_out_fp32(a, b, out):
-    """``out = a @ b`` for low-precision CUDA operands, fp32 accumulation and result."""
-    try:
-        return torch.mm(a, b, out_dtype=torch.float32, out=out)
-    except (TypeError, RuntimeError, NotImplementedError):  # torch without mm.dtype_out
-        return out.copy_(torch.mm(a, b, out_dtype=torch.float32))
+GemmPath = Literal['out_dtype', 'upcast']
+_GEMM_PATHS: Dict[Tuple[str, torch.dtype], GemmPath] = {}
 
 
-def _addmm_fp32_(acc, a, b, beta: float):
-    """``acc = beta * acc + a @ b`` for low-precision CUDA operands into an fp32 ``acc``."""
+def gemm_path(device: torch.device, dtype: torch.dtype) -> GemmPath:
+    """How :class:`Products` multiplies ``dtype`` (bf16/fp16) operands on ``device``, decided once
+    per device type and dtype.
+
+    ``'out_dtype'``: ``torch.mm`` / ``torch.addmm`` with ``out_dtype=torch.float32`` into the
+    fp32 result in place (CUDA in torch >= 2.8); ``'upcast'``: fp32 copies of the operands (the
+    CPU path; on CUDA a torch build without those kernels, with a warning, since it costs an fp32
+    copy of the weight). The probe is a 1x1 product after a device synchronisation, so that
+    an error still pending from earlier work is raised there and not taken for a missing
+    kernel; only the errors torch gives for a missing overload are caught.
+    """
+    device = torch.device(device)
+    key = (device.type, dtype)
+    if key not in _GEMM_PATHS:
+        _GEMM_PATHS[key] = _probe_gemm_path(device, dtype)
+        if _GEMM_PATHS[key] == 'upcast' and device.type == 'cuda':
+            warnings.warn(f'megatron.mtp_tv: this torch build ({torch.__version__}) has no '
+                          f'out_dtype=float32 GEMM for {dtype} on CUDA; the loss multiplies fp32 '
+                          f'copies of the operands (an fp32 copy of the output weight per call).',
+                          RuntimeWarning, stacklevel=3)
+    return _GEMM_PATHS[key]
+
+
+def _probe_gemm_path(device: torch.device, dtype: torch.dtype) -> GemmPath:
+    if device.type != 'cuda':
+        return 'upcast'
+    torch.cuda.synchronize(device)  # once per process: a pending asynchronous error raises here
+    a = torch.ones(1, 1, device=device, dtype=dtype)
+    acc = torch.zeros(1, 1, device=device, dtype=torch.float32)
     try:
-        torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
-    except (TypeError, RuntimeError, NotImplementedError):  # torch without addmm.dtype_out
-        product = torch.mm(a, b, out_dtype=torch.float32)
-        acc.add_(product) if beta else acc.copy_(product)
+        torch.mm(a, a, out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, a, a, beta=1.0, out_dtype=torch.float32, out=acc)
+    except (TypeError, NotImplementedError):  # no such overload (older torch, this backend)
+        return 'upcast'
+    except RuntimeError as error:  # the overload exists but refuses these dtypes
+        if 'dtype' not in str(error):
+            raise
+        return 'upcast'
+    return 'out_dtype'

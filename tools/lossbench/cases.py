@@ -137,26 +137,21 @@ def _denormal_fraction(grad: Optional[torch.Tensor]) -> float:
 def ce_baseline(tp_group=None):
     """The CE baseline of every benchmark: ``(ce, name)``, ``ce(hidden, weight, labels)`` the
     per-token loss of ``logits = hidden @ weight^T`` (``[..., V/tp]``) under Megatron's
-    ``vocab_parallel_cross_entropy``, or, when megatron-core is not importable (a bare GPU
-    machine), torch's ``cross_entropy`` on the same logits in fp32 (cheaper than Megatron's, so a
-    stricter baseline).
+    ``vocab_parallel_cross_entropy``. Without megatron-core there is no baseline: an ImportError
+    (a ratio to another cross-entropy would be a comparison with something else).
 
     ``tp_group``: the vocabulary's group; None takes Megatron's tensor-parallel group when its
     parallel state is initialised (``single_process()``), else the world, a world of one made
     here if there is none (an in-process store: no port another process on the machine may hold).
     """
-    try:
-        import torch.distributed as dist
-        from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-    except ImportError:
-        if tp_group is not None:
-            raise
+    import torch.distributed as dist
 
-        def torch_ce(hidden, weight, labels):
-            logits = torch.matmul(hidden, weight.t())
-            return torch.nn.functional.cross_entropy(
-                logits.float().flatten(0, -2), labels.flatten(), reduction='none').view(labels.shape)
-        return torch_ce, 'torch cross_entropy (megatron-core not importable)'
+    try:
+        from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+    except ImportError as error:
+        raise ImportError(f"the benchmarks' baseline is Megatron's vocab_parallel_cross_entropy, "
+                          f"which does not import ({error}): install megatron-core and its "
+                          f"imports (numpy, packaging)") from error
 
     if tp_group is None:
         from megatron.core import parallel_state

@@ -1,0 +1,276 @@
+"""The GPU check's correctness phases: each returns a list of rows ``{'check', ..., 'ok'}``.
+
+Every comparison is against an independent reference: the float64 full-vocabulary formulas of
+``mtp_tv_dev/reference.py`` (on the CPU), the torch row ops for the Triton kernels, Megatron's
+own cross-entropy for the chunked one, the loss's own other target source or chunking, and the
+same run repeated (determinism).
+"""
+
+import contextlib
+from typing import Dict, List
+
+import torch
+
+from megatron.mtp_tv.linear_tv import linear_tv_loss
+from megatron.mtp_tv.losses import LOSSES, CrossEntropy
+from megatron.mtp_tv.row_ops import TorchRowOps, TritonRowOps
+from mtp_tv_dev.reference import depth_terms, objective, token_weights
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach().double().cpu() - b.detach().double().cpu()).abs().max().item()
+
+
+def against_reference(device: str, kernels: str, quick: bool) -> List[Dict]:
+    """fp32 loss and gradients of every loss on ``device`` vs the float64 CPU reference; 1 and
+    3 depths, several chunk sizes, fused and recompute."""
+    S, B, H, V = (9, 2, 16, 300) if quick else (37, 2, 32, 5003)
+    rows = []
+    for loss_type in LOSSES:
+        temperature = 0.7 if loss_type == 'lk' else 1.0
+        for G in (1, 3):
+            g = torch.Generator().manual_seed(G)
+            draft = torch.randn(G, S, B, H, generator=g, dtype=torch.float64)
+            target = torch.randn(S, B, H, generator=g, dtype=torch.float64)
+            weight = torch.randn(V, H, generator=g, dtype=torch.float64)
+            masks = (torch.rand(G, S, B, generator=g) > 0.3).double()
+            for k in range(G):
+                masks[k, S - k - 1:] = 0
+            d_ref, w_ref = draft.clone().requires_grad_(), weight.clone().requires_grad_()
+            alpha, kl = depth_terms(target, list(d_ref), w_ref, temperature=temperature)
+            ref = objective(loss_type, alpha, kl, masks, 0.3)
+            ref.backward()
+            for chunk in (0, 7, 64):
+                for fused in (True, False):
+                    d = draft.float().to(device).requires_grad_()
+                    w = weight.float().to(device).requires_grad_()
+                    out = linear_tv_loss(d, target.float().to(device), w,
+                                         token_weights(loss_type, masks).float().to(device),
+                                         loss_type=loss_type, chunk_size=chunk, fused=fused,
+                                         temperature=temperature, kernels=kernels)
+                    out.loss.backward()
+                    errs = {'loss': abs(out.loss.item() - ref.item()),
+                            'grad_draft': _max_err(d.grad, d_ref.grad),
+                            'grad_weight': _max_err(w.grad, w_ref.grad)}
+                    ok = (errs['loss'] <= 1e-5 + 1e-4 * abs(ref.item())
+                          and errs['grad_draft'] <= 1e-6 + 1e-3 * d_ref.grad.abs().max().item()
+                          and errs['grad_weight'] <= 1e-6 + 1e-3 * w_ref.grad.abs().max().item())
+                    rows.append({'check': 'reference', 'loss_type': loss_type, 'G': G,
+                                 'chunk': chunk, 'fused': fused, **errs, 'ok': ok})
+    return rows
+
+
+def kernels_against_torch(device: str, vocabs: List[int], rows_per_chunk: int) -> List[Dict]:
+    """Triton row kernels vs the torch row ops on the same logits, at each vocabulary (several
+    tiles and a masked tail), row offsets 0 and 2."""
+    out = []
+    names = ('row_max', 'argmax', 'overlap', 'dot', 'kl', 'grad')
+    for V in vocabs:
+        n = rows_per_chunk
+        g = torch.Generator().manual_seed(V)
+        zt = (torch.randn(n + 2, V, generator=g) * 3).to(device)
+        zq = (torch.randn(n, V, generator=g) * 3).to(device)
+        coef = torch.rand(n, generator=g).to(device)
+        kl_coef = torch.rand(n, generator=g).to(device)
+
+        def passes(ops, offset):
+            t, _ = ops.normalise_(zt.clone(), None, vocab_start=0)
+            q, q_stats = ops.normalise_(zq.clone(), None, vocab_start=0)
+            p = ops.rows(t, offset, offset + n)
+            overlap, dot, kl = ops.pair_sums(p, q, dot=True, kl=True)
+            grad = ops.grad_(p, q, dot, coef, kl_coef)  # the LK form: both terms
+            grad = (grad[0] if isinstance(grad, tuple) else grad).clone()
+            return q_stats.max, q_stats.argmax.float(), overlap, dot, kl, grad
+
+        for offset in (0, 2):
+            ref = passes(TorchRowOps(), offset)
+            got = passes(TritonRowOps(), offset)
+            errs = {name: _max_err(a, b) for name, a, b in zip(names, got, ref)}
+            ok = (errs['row_max'] == 0.0 and errs['argmax'] == 0.0 and errs['overlap'] <= 1e-5
+                  and errs['dot'] <= 1e-5 and errs['kl'] <= 1e-4
+                  and errs['grad'] <= 1e-4 * ref[-1].abs().max().item() + 1e-9)
+            out.append({'check': 'kernels', 'n': n, 'V': V, 'offset': offset, **errs, 'ok': ok})
+    return out
+
+
+def bf16_against_fp32(device: str, kernels: str, quick: bool) -> List[Dict]:
+    """A bf16 model (hidden states and weight) against its fp32 twin: close loss, finite grads."""
+    S, B, H, V = (16, 2, 32, 512) if quick else (256, 2, 512, 32768)
+    g = torch.Generator().manual_seed(3)
+    draft = torch.randn(2, S, B, H, generator=g)
+    target = torch.randn(S, B, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * H ** -0.5
+    w = torch.full((S, B), 1.0 / (S * B))
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        d = draft.to(device, dtype, copy=True).requires_grad_()
+        wt = weight.to(device, dtype, copy=True).requires_grad_()
+        res = linear_tv_loss(d, target.to(device, dtype), wt, w.to(device), 'e2e_tv',
+                             chunk_size=64, kernels=kernels)
+        res.loss.backward()
+        out[dtype] = (res.loss.item(), bool(torch.isfinite(d.grad).all()),
+                      bool(torch.isfinite(wt.grad).all()))
+    diff = abs(out[torch.float32][0] - out[torch.bfloat16][0])
+    return [{'check': 'bf16 vs fp32', 'loss_fp32': out[torch.float32][0],
+             'loss_bf16': out[torch.bfloat16][0], 'abs_diff': diff,
+             'ok': diff <= 2e-2 and all(out[torch.bfloat16][1:])}]
+
+
+def chunked_ce_against_megatron(device: str, kernels: str, megatron_ce, quick: bool,
+                                tp_group=None) -> List[Dict]:
+    """``'ce'`` through the chunked sweep against Megatron's ``vocab_parallel_cross_entropy`` on
+    the same fp32 inputs: loss and both gradients."""
+    S, B, H, V = (12, 2, 16, 300) if quick else (1024, 2, 256, 32768)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, S, B, H, generator=g).to(device)
+    weight = (torch.randn(V, H, generator=g) * 0.1).to(device)
+    labels = torch.randint(0, V, (1, S, B), generator=g).to(device)
+    w = torch.full((1, S, B), 1.0 / (S * B), device=device)
+    x1, w1 = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = (megatron_ce(torch.matmul(x1[0], w1.t()), labels[0], tp_group=tp_group) * w[0]).sum()
+    ref.backward()
+    rows = []
+    for chunk in (0, 100):
+        x2, w2 = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = linear_tv_loss(x2, None, w2, w, loss_type=CrossEntropy(), chunk_size=chunk,
+                             labels=labels, kernels=kernels)
+        out.loss.backward()
+        errs = {'loss': abs(out.loss.item() - ref.item()), 'grad_x': _max_err(x2.grad, x1.grad),
+                'grad_weight': _max_err(w2.grad, w1.grad)}
+        ok = (errs['loss'] <= 1e-5 * max(1.0, abs(ref.item()))
+              and errs['grad_x'] <= 1e-6 + 1e-4 * x1.grad.abs().max().item()
+              and errs['grad_weight'] <= 1e-6 + 1e-4 * w1.grad.abs().max().item())
+        rows.append({'check': 'chunked ce vs megatron ce', 'chunk': chunk, **errs, 'ok': ok})
+    return rows
+
+
+def main_logits_against_projection(device: str, kernels: str, dtype: torch.dtype,
+                                   quick: bool) -> List[Dict]:
+    """The production default (the target read from the main logits the model projects anyway)
+    against the loss's own projection of the target: the same loss and gradients, every loss."""
+    S, B, H, V = (10, 2, 16, 300) if quick else (512, 2, 512, 32768)
+    rows = []
+    for loss_type in LOSSES:
+        g = torch.Generator().manual_seed(5)
+        draft = torch.randn(2, S, B, H, generator=g).to(device, dtype)
+        target = torch.randn(S, B, H, generator=g).to(device, dtype)
+        weight = (torch.randn(V, H, generator=g) * H ** -0.5).to(device, dtype)
+        masks = (torch.rand(2, S, B, generator=g) > 0.2).float()
+        w = token_weights(loss_type, masks).to(device)
+        results = {}
+        for source in ('projection', 'main_logits'):
+            d, wt = draft.clone().requires_grad_(), weight.clone().requires_grad_()
+            kwargs = ({'target_logits': torch.matmul(target, wt.detach().t())}
+                      if source == 'main_logits' else {})
+            out = linear_tv_loss(d, target if source == 'projection' else None, wt, w,
+                                 loss_type=loss_type, chunk_size=64, kernels=kernels, **kwargs)
+            out.loss.backward()
+            results[source] = (out.loss.detach(), d.grad, wt.grad)
+        (l1, d1, w1), (l2, d2, w2) = results['projection'], results['main_logits']
+        # bf16 main logits round the target: its tolerance is bf16's, not fp32's
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        errs = {'loss': _max_err(l1, l2), 'grad_draft': _max_err(d1, d2),
+                'grad_weight': _max_err(w1, w2)}
+        ok = (errs['loss'] <= tol * max(1.0, abs(l1.item()))
+              and errs['grad_draft'] <= tol * d1.abs().max().item() + 1e-7
+              and errs['grad_weight'] <= tol * w1.abs().max().item() + 1e-7)
+        rows.append({'check': 'main logits vs projection', 'loss_type': loss_type,
+                     'dtype': str(dtype), **errs, 'ok': ok})
+    return rows
+
+
+def big_chunk(device: str, kernels: str, dtype: torch.dtype, tokens: int, hidden: int,
+              vocab: int) -> List[Dict]:
+    """One chunk of ``tokens x vocab`` logits (above 2^31 at 16384 x 151936: int64 offsets in
+    every kernel) against the same loss in chunks of 2048: loss and gradients agree, finite."""
+    g = torch.Generator().manual_seed(13)
+    x = (torch.randn(1, tokens, 1, hidden, generator=g)).to(device, dtype)
+    y = (torch.randn(tokens, 1, hidden, generator=g)).to(device, dtype)
+    weight = (torch.randn(vocab, hidden, generator=g) * hidden ** -0.5).to(device, dtype)
+    w = torch.full((1, tokens, 1), 1.0 / tokens, device=device)
+    results = {}
+    for chunk in (tokens, 2048):
+        xg, wg = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = linear_tv_loss(xg, y, wg, w, 'tv', chunk_size=chunk, kernels=kernels)
+        out.loss.backward()
+        results[chunk] = (out.loss.detach().float(), xg.grad.float(), wg.grad.float())
+        del out, xg, wg
+        if device.startswith('cuda'):
+            torch.cuda.empty_cache()
+    (l1, x1, w1), (l2, x2, w2) = results[tokens], results[2048]
+    errs = {'loss': _max_err(l1, l2), 'grad_x': _max_err(x1, x2), 'grad_weight': _max_err(w1, w2)}
+    finite = all(bool(torch.isfinite(t).all()) for t in (l1, x1, w1))
+    ok = (finite and errs['loss'] <= 1e-3 * max(1.0, abs(l2.item()))
+          and errs['grad_x'] <= 2e-2 * x2.abs().max().item() + 1e-7
+          and errs['grad_weight'] <= 2e-2 * w2.abs().max().item() + 1e-7)
+    return [{'check': 'one chunk above 2^31 logits' if tokens * vocab > 2**31 else 'big chunk',
+             'tokens': tokens, 'vocab': vocab, 'logits': tokens * vocab, 'dtype': str(dtype),
+             **errs, 'finite': finite, 'ok': ok}]
+
+
+@contextlib.contextmanager
+def _model_world(device: str):
+    """Megatron's parallel state for one process: on CUDA an NCCL world of one and Megatron's
+    CUDA RNG tracker; on a CPU (the dry run) the CPU shims of ``mtp_tv_dev``."""
+    if not device.startswith('cuda'):
+        from mtp_tv_dev.distributed import single_process
+
+        with single_process(seed=1234):
+            yield
+        return
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        dist.init_process_group('nccl', store=dist.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def model_steps(device: str, kernels: str, quick: bool, steps: int = 3) -> List[Dict]:
+    """A megatron-core ``GPTModel`` with two MTP depths, bf16, trained ``steps`` Adam steps with
+    ``'ce'`` and with ``'tv'`` (the target from the main logits, the default); twice each from the
+    same seed: every loss finite and the two runs bit-identical."""
+    from megatron.core.transformer.module import Float16Module
+
+    from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss, random_batch
+
+    vocab, hidden, seq, batch = (128, 32, 16, 2) if quick else (32768, 1024, 1024, 2)
+    rows = []
+    for loss_type in ('ce', 'tv'):
+        runs = []
+        for _ in range(2):
+            with _model_world(device):
+                torch.manual_seed(0)
+                gpt = build_gpt_with_mtp(
+                    vocab_size=vocab, hidden_size=hidden, num_layers=2, mtp_num_layers=2,
+                    seq_length=seq, num_attention_heads=8, params_dtype=torch.bfloat16,
+                    mtp_loss_type=loss_type, mtp_tv_kernels=kernels, seed=1234)
+                # Megatron's own bf16 wrapper (what its training loop builds): bf16 weights
+                # throughout, fp32 outputs
+                model = Float16Module(gpt.config, gpt).to(device)
+                optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+                tokens, labels, mask = (t.to(device) for t in random_batch(vocab, seq, batch))
+                losses = []
+                for _ in range(steps):
+                    optimizer.zero_grad(set_to_none=True)
+                    loss = forward_loss(model, tokens, labels, mask)
+                    main = (loss.float() * mask).sum() / mask.sum()
+                    main.backward()
+                    optimizer.step()
+                    losses.append(main.item())
+                grads = torch.cat([p.grad.float().flatten() for p in model.parameters()
+                                   if p.grad is not None])
+                runs.append((losses, grads.cpu()))
+                del model, optimizer
+        (losses_a, grads_a), (losses_b, grads_b) = runs
+        finite = all(torch.isfinite(torch.tensor(losses_a))) and bool(torch.isfinite(grads_a).all())
+        same = losses_a == losses_b and torch.equal(grads_a, grads_b)
+        rows.append({'check': 'GPTModel bf16 steps', 'loss_type': loss_type, 'steps': steps,
+                     'main_losses': losses_a, 'finite': finite, 'deterministic': same,
+                     'ok': finite and same})
+    return rows
