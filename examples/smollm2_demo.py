@@ -11,12 +11,14 @@ speculative decoding through a KV cache at T=1 and greedy (``smollm2_lib.evaluat
 
 Presets (``smollm2_lib.experiment.PRESETS``):
 
-* ``default`` (``make demo-smollm2``): the cold-start ranking alone: fresh one-depth heads trained
-  40 steps of 1024 tokens with each loss at one learning rate, one seed;
-* ``long`` (``make demo-smollm2 ARGS='--preset long'``): cold start with a learning-rate sweep and
-  two seeds, a three-depth chain, a head grafted onto a fine-tuned backbone and healed with every
-  loss, and joint training of backbone and head. Hours on two cores (measured: docs/smollm2_demo.md); every finished
-  part is written at once (``--commit`` commits it) and a rerun skips it.
+* ``default`` (``make demo-smollm2``): the method end to end within 30 minutes: fresh one-depth
+  heads trained 60 steps of 1024 tokens with each loss at one learning rate, one seed, on a
+  smaller slice of the same code; a demonstration, not a ranking;
+* ``long`` (``make demo-smollm2 ARGS='--preset long'``): the fair protocol of
+  docs/smollm2_demo.md: every loss on the same learning-rate grid at the full budget, three
+  seeds, the official head moved by a self-sharpened backbone and healed, joint training. Many
+  hours on two cores; every finished part is written at once (``--commit`` commits it), a
+  rerun skips it, and an interrupted arm resumes from its last checkpoint.
 
 Writes ``parts/*.json``, ``report.md``, ``summary.json`` and ``smollm2_curves.png`` to
 ``--results-dir`` and prints the report.

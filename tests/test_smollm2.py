@@ -156,66 +156,106 @@ def _run_demo(args, env_extra=None):
 @pytest.mark.slow
 def test_smoke_preset_runs_every_scenario_and_resumes(tmp_path):
     """The command end to end on the ``smoke`` preset: every scenario of the ``long`` preset
-    (learning-rate sweeps, the graft with its fine-tuned backbone, joint training, the chain;
-    one seed) on 32-token windows; its report, summary and plot. Then the resume: with one
-    part's file removed, a rerun runs that part alone, reading the official head and the
-    fine-tuned backbone that it needs from the cache folder."""
+    (the learning-rate grid at the full budget, extended past a winning edge, every seed's test,
+    the moved backbone and the healing grid, joint training) on 32-token windows; its report,
+    summary and plot. Then the resume: with one part's file removed, a rerun runs that
+    part alone, reading the heads and the moved backbone it needs from the cache folder."""
     import json
 
     pytest.importorskip('transformers', reason='the pinned Hugging Face stack (make setup-hf)')
-    out = tmp_path / 'results'
+    out, cache = tmp_path / 'results', tmp_path / 'cache'
     cpu_before = _children_cpu_seconds()
-    res = _run_demo(['--preset', 'smoke', '--results-dir', str(out)])
+    res = _run_demo(['--preset', 'smoke', '--results-dir', str(out), '--cache-dir', str(cache)])
     cpu = _children_cpu_seconds() - cpu_before
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     from smollm2_lib import experiment as X
 
     preset = X.PRESETS['smoke']
-    parts = {p.stem for p in (out / 'parts').glob('*.json')}
+    parts = {p.stem: json.loads(p.read_text()) for p in (out / 'parts').glob('*.json')}
     losses = X.depth_one_losses()
+    last = preset.cold_steps
     for loss in losses:
-        for seed in preset.seeds:
-            assert {f'cold_{loss}_s{seed}', f'heal_{loss}_s{seed}'} <= parts
-        assert {f'sweep_cold_{loss}_lr{lr:g}' for lr in preset.lr_grid} <= parts
-    assert {'cold_init', 'sft', 'graft_before', 'graft_drifted', 'joint_ce', 'joint_tv',
-            'chain_tv', 'chain_e2e_tv'} <= parts
-    record = json.loads((out / 'parts' / 'cold_tv_s0.json').read_text())
-    assert record['common'] == preset.common() and record['key']['loss'] == 'tv'
-    sweep = {lr: json.loads((out / 'parts' / f'sweep_cold_tv_lr{lr:g}.json').read_text())
-             for lr in preset.lr_grid}  # the arm runs at the sweep's best learning rate
-    assert record['lr'] == max(sweep, key=lambda lr: sweep[lr]['curve']['validation'][-1][
-        'sampled']['accepted'])
-    spec = record['final']['spec_sampled']
+        grid = {r['lr'] for n, r in parts.items()
+                if n.startswith(f'cold_{loss}_lr') and r['steps'] == last}
+        assert set(preset.lr_grid) <= grid  # every loss ran the whole grid at the budget
+        test = parts[f'test_cold_{loss}_s0']
+        assert test['steps'] == last and test['lr'] in grid
+        assert f'test_heal_{loss}_s0' in parts and f'joint_{loss}_s0' in parts
+    assert {'cold_init', 'drift_sharpen', 'drift_before', 'drift_after'} <= set(parts)
+    arm = parts[f"cold_tv_lr{parts['test_cold_tv_s0']['lr']:g}_n{last}_s0"]
+    assert arm['common'] == preset.common() and arm['key']['loss'] == 'tv'
+    assert [p['step'] for p in arm['curve']['validation']] == [0] + X.eval_points(
+        last, preset.eval_every)
+    spec = parts['test_cold_tv_s0']['final']['spec_sampled']
     assert spec['verify_steps'] == preset.spec_prompts * preset.spec_rounds
-    assert len(spec['per_prompt']) == preset.spec_prompts
+    assert len(spec['per_prompt']) == len(spec['per_prompt_rao_blackwell']) == preset.spec_prompts
     summary = json.loads((out / 'summary.json').read_text())
-    assert [row['label'] for row in summary['cold']] == ['cold_init'] + losses
-    assert '## Cold start' in res.stdout and '## Joint training' in res.stdout
+    assert [row['label'] for row in summary['cold']] == losses
+    assert '## Cold start' in res.stdout and '## Joint' in res.stdout
     assert (out / 'report.md').read_text().strip() == res.stdout.strip()
     assert (out / 'smollm2_curves.png').stat().st_size > 10_000
     # A smoke run stays one: CPU time, not wall time, which doubles when the other pytest-xdist
-    # worker shares the core (about 60 CPU-seconds on one thread of a 2-core machine).
+    # worker shares the core.
     assert cpu < 240, f'the smoke preset took {cpu:.0f} CPU-seconds'
 
-    (out / 'parts' / 'heal_tv_s0.json').unlink()
-    rerun = _run_demo(['--preset', 'smoke', '--results-dir', str(out), '--no-plot'])
+    (out / 'parts' / 'test_heal_tv_s0.json').unlink()
+    rerun = _run_demo(['--preset', 'smoke', '--results-dir', str(out), '--cache-dir', str(cache),
+                       '--no-plot'])
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert [line for line in rerun.stderr.splitlines() if line.endswith(': running')] == [
-        'part heal_tv_s0: running']
-    assert 'retraining' not in rerun.stderr  # the head and backbone came from the cache folder
-    assert json.loads((out / 'parts' / 'heal_tv_s0.json').read_text())['loss'] == 'tv'
+        'part test_heal_tv_s0: running']
+    assert 'making them' not in rerun.stderr  # the heads and backbone came from the cache folder
+    assert json.loads((out / 'parts' / 'test_heal_tv_s0.json').read_text())['loss'] == 'tv'
+
+
+def test_window_order_curve_points_and_plateau_rule():
+    """An extended arm sees the same windows first; curves have a point every ``every`` steps
+    and at the last; the plateau gain is over the last quarter of the run."""
+    from smollm2_lib import experiment as X
+
+    order = X.window_order(10, 7, 2, seed=3)
+    assert torch.equal(X.window_order(10, 4, 2, seed=3), order[:4])
+    assert X.eval_points(7, 3) == [3, 6, 7]
+    curve = [{'step': s, 'sampled': {'accepted': a}} for s, a in ((0, 0.1), (3, 0.5), (6, 0.6),
+                                                                  (8, 0.61))]
+    assert abs(X.plateau_gain(curve, 8) - (0.61 - 0.6) / 0.6) < 1e-12
+
+
+@pytest.mark.slow
+def test_an_interrupted_arm_resumes_from_its_checkpoint(smollm2, megatron_cpu, tmp_path):
+    """A heads arm stopped after its first checkpoint and run again to a larger budget resumes
+    there (the same windows, heads and optimiser state) and ends with the heads of one
+    uninterrupted run; its curve is the uninterrupted one."""
+    import megatron.mtp_tv
+    from smollm2_lib import experiment as X
+
+    megatron.mtp_tv.install()
+    preset = X.PRESETS['smoke']
+    runs = {}
+    for name in ('straight', 'resumed'):
+        experiment = X.Experiment(preset, X.Store(str(tmp_path / f'{name}-results'),
+                                                  preset.common()), None, log=print)
+        experiment.runs_dir = str(tmp_path / name)  # the checkpoints; the model's own cache kept
+        experiment.setup()
+        if name == 'resumed':
+            experiment.run_arm(X.HeadsArm('cold', 'tv', 1e-3, 0, preset.checkpoint_every))
+        runs[name] = experiment.run_arm(X.HeadsArm('cold', 'tv', 1e-3, 0,
+                                                   2 * preset.checkpoint_every))
+    (straight, heads), (resumed, heads_resumed) = runs['straight'], runs['resumed']
+    assert straight['curve'] == resumed['curve']
+    for key in heads:
+        assert torch.equal(heads[key], heads_resumed[key]), key
 
 
 def test_scenario_losses_come_from_the_registry():
-    """The arms derive from the plugin's registry: every per-depth loss is a one-depth arm, and
-    the per-chain ones (equal to 'tv' at one depth) join the chain."""
+    """The arms derive from the plugin's registry: every per-depth loss is a one-depth arm; the
+    per-chain ones equal 'tv' at one depth."""
     from megatron.mtp_tv.losses import LOSSES as REGISTRY
     from smollm2_lib import experiment as X
 
     per_chain = [name for name, cls in REGISTRY.items() if cls.per_chain]
     assert per_chain == ['e2e_tv']
     assert X.depth_one_losses() == ['ce'] + [n for n in REGISTRY if n not in per_chain]
-    assert X.chain_losses() == ['tv'] + per_chain
 
 
 def test_store_reuses_a_part_only_for_the_same_settings(tmp_path):
@@ -244,45 +284,50 @@ def test_bad_flags_exit_with_a_clear_message(capsys, argv, message):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
-def _synthetic_record(loss, seed, per_prompt, per_prompt_greedy, tf_window):
-    alpha = {'mean': sum(tf_window) / len(tf_window), 'se': 0.01}
-    tf = {mode: {'alpha': [alpha], 'per_window': tf_window, 'accepted': alpha}
-          for mode in ('sampled', 'greedy')}
-    return {'loss': loss, 'seed': seed, 'lr': 1e-3, 'final': {
-        'spec_sampled': {'per_prompt': per_prompt}, 'spec_greedy': {'per_prompt': per_prompt_greedy},
-        'tf_test': tf}}
+def _synthetic_test(loss, seed, per_prompt, tf_alpha=0.2):
+    spec = {'per_prompt': per_prompt, 'per_prompt_rao_blackwell': per_prompt}
+    tf = {'sampled': {'alpha': [{'mean': tf_alpha, 'se': 0.01}]}}
+    return {'loss': loss, 'seed': seed, 'lr': 1e-3, 'steps': 10, 'final': {
+        'spec_sampled': spec, 'spec_greedy': spec, 'tf_test': tf, 'tf_continuation': tf}}
 
 
-def test_report_pairs_differences_over_prompts_and_seeds():
-    """The report's difference from 'ce': per prompt, the mean over seeds of (loss - ce), its
-    standard error over prompts, the gain in percent of 'ce''s tokens per step, and 'resolved'
-    at 2 standard errors; computed here by hand on synthetic parts."""
+def test_report_resolves_a_difference_only_when_every_seed_agrees():
+    """The report's difference from 'ce', computed here by hand on synthetic parts: per seed the
+    paired mean over prompts, the mean over seeds, the standard errors across seeds and over
+    prompts, the gain in percent; 'resolved' needs every seed of one sign and the mean beyond 2
+    standard errors of both kinds."""
     import math
 
     from smollm2_lib import report as R
 
-    ce = {0: [0.1, 0.2, 0.3, 0.2], 1: [0.3, 0.2, 0.1, 0.2]}
-    tv = {0: [0.4, 0.5, 0.5, 0.6], 1: [0.5, 0.4, 0.6, 0.5]}
+    ce = {0: [0.1, 0.2, 0.3, 0.2], 1: [0.3, 0.2, 0.1, 0.2], 2: [0.2, 0.2, 0.2, 0.3]}
+    tv = {0: [0.4, 0.5, 0.5, 0.6], 1: [0.5, 0.4, 0.6, 0.5], 2: [0.4, 0.5, 0.4, 0.6]}
+    kl = {0: [0.4, 0.5, 0.5, 0.6], 1: [0.1, 0.1, 0.1, 0.2], 2: [0.4, 0.5, 0.4, 0.6]}  # seed 1 <
     parts = {}
-    for seed in (0, 1):
-        parts[f'cold_ce_s{seed}'] = _synthetic_record('ce', seed, ce[seed], ce[seed], [0.1, 0.2])
-        parts[f'cold_tv_s{seed}'] = _synthetic_record('tv', seed, tv[seed], ce[seed], [0.3, 0.2])
-    rows = {r['label']: r for r in R.scenario_rows(parts, 'cold', (0, 1))}
-    diffs = [((tv[0][i] - ce[0][i]) + (tv[1][i] - ce[1][i])) / 2 for i in range(4)]
-    mean = sum(diffs) / 4
-    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / 3 / 4)
-    got = rows['tv']['vs T=1']
-    assert math.isclose(got['mean'], mean) and math.isclose(got['se'], se) and got['resolved']
-    ce_tokens = 1 + sum(ce[0] + ce[1]) / 8
-    assert math.isclose(rows['tv']['gain% T=1']['mean'], 100 * mean / ce_tokens)
-    assert math.isclose(rows['tv']['tokens T=1']['mean'], 1 + sum(tv[0] + tv[1]) / 8)
-    assert rows['tv']['vs greedy']['mean'] == 0 and not rows['tv']['vs greedy']['resolved']
-    assert 'vs T=1' not in rows['ce']  # the baseline is not compared with itself
+    for seed in ce:
+        for loss, values in (('ce', ce), ('tv', tv), ('kl', kl)):
+            parts[f'test_cold_{loss}_s{seed}'] = _synthetic_test(loss, seed, values[seed])
+    rows = {r['label']: r for r in R.headline_rows(parts, 'cold', (0, 1, 2))}
+    per_seed = [sum(t - c for t, c in zip(tv[s], ce[s])) / 4 for s in ce]
+    mean = sum(per_seed) / 3
+    se_seeds = math.sqrt(sum((d - mean) ** 2 for d in per_seed) / 2 / 3)
+    got = rows['tv']['vs T=1 counted']
+    assert math.isclose(got['mean'], mean) and math.isclose(got['se_seeds'], se_seeds)
+    assert got['per_seed'] == pytest.approx(per_seed) and got['resolved']
+    ce_tokens = sum(1 + sum(v) / 4 for v in ce.values()) / 3
+    assert math.isclose(rows['tv']['gain% T=1 counted'], 100 * mean / ce_tokens)
+    assert rows['tv']['per seed T=1 counted'] == pytest.approx([1 + sum(v) / 4 for v in
+                                                                tv.values()])
+    assert rows['kl']['vs T=1 counted']['mean'] > 0 and not rows['kl']['vs T=1 counted'][
+        'resolved']  # one seed of the other sign
+    assert 'vs T=1 counted' not in rows['ce']  # the baseline is not compared with itself
+    one = R.seed_difference({0: tv[0]}, {0: ce[0]})
+    assert one['mean'] > 0 and not one['resolved']  # one seed never resolves a difference
 
 
-def test_sweep_extends_its_grid_past_a_winning_edge(tmp_path):
-    """A learning rate that wins at an end of the grid is not taken as the optimum: the sweep
-    adds the next half-decade beyond it until an inner value wins (or its extension budget is
+def test_grid_extends_past_a_winning_edge(tmp_path):
+    """A learning rate that wins at an end of the grid is not taken as the optimum: the grid
+    grows by a half-decade beyond it until an inner value wins (or its extension budget is
     spent); every tried value is a stored part."""
     import math
 
@@ -291,17 +336,16 @@ def test_sweep_extends_its_grid_past_a_winning_edge(tmp_path):
     best = 1e-4
     experiment = X.Experiment(X.PRESETS['long'], X.Store(str(tmp_path), {}), cache_dir='',
                               log=lambda m: None)
-
-    def run_arm(loss, lr, seed, steps):
-        score = 1.0 / (1.0 + abs(math.log10(lr / best)))
-        return {'curve': {'validation': [{'sampled': {'accepted': score}}]}}, {}
-
-    lr = experiment.best_lr('cold', 'tv', (3e-4, 1e-3, 3e-3), 99, {}, run_arm)
-    assert lr == best
+    score = {}
+    experiment.run_arm = lambda arm: ({'validation': {'sampled': {'accepted': score[arm.lr]}},
+                                       'seed': arm.seed}, {})
+    experiment.arm_key = lambda arm: {'lr': arm.lr, 'loss': arm.loss}
+    for lr in (3e-5, 1e-4, 3e-4, 1e-3, 3e-3):
+        score[lr] = 1.0 / (1.0 + abs(math.log10(lr / best)))
+    assert experiment.best_lr('cold', 'tv', 99, (3e-4, 1e-3, 3e-3)) == best
     assert sorted(experiment.records) == sorted(
-        f'sweep_cold_tv_lr{x:g}' for x in (3e-5, 1e-4, 3e-4, 1e-3, 3e-3))
+        f'cold_tv_lr{x:g}_n99_s0' for x in (3e-5, 1e-4, 3e-4, 1e-3, 3e-3))
     assert X.half_decade(1e-3, up=True) == 3e-3 and X.half_decade(1e-3, up=False) == 3e-4
-    assert experiment.best_lr('cold', 'ce', (3e-4, 1e-3, 3e-3), 99, {},
-                              lambda *a: ({'curve': {'validation': [{'sampled': {
-                                  'accepted': {1e-3: 1.0}.get(a[1], 0.0)}}]}}, {})) == 1e-3
-    assert 'sweep_cold_ce_lr0.0001' not in experiment.records  # an inner winner: no extension
+    score.update({3e-4: 0.0, 1e-3: 1.0, 3e-3: 0.0})
+    assert experiment.best_lr('cold', 'ce', 99, (3e-4, 1e-3, 3e-3)) == 1e-3
+    assert 'cold_ce_lr0.0001_n99_s0' not in experiment.records  # an inner winner: no extension

@@ -1,14 +1,15 @@
-"""The demo's two text domains, tokenised with SmolLM2's own tokenizer (49152 tokens).
+"""The demo's text, tokenised with SmolLM2's own tokenizer (49152 tokens).
 
-No download: domain B is the English ``pydoc_data.topics`` (the ``help()`` topics, about 120k
-tokens), domain A the Python standard library's top-level sources (code; the first ``max_chars``
-characters). Each is cut into blocks of consecutive tokens (:data:`BLOCK` by default), and the blocks are dealt
-into three splits by position (interleaved, so that every split spans the whole text):
+No download: the Python standard library's top-level sources (code; the first ``max_chars``
+characters), or the English ``pydoc_data.topics`` (the ``help()`` topics, about 120k tokens).
+Each is cut into blocks of consecutive tokens (:data:`BLOCK` by default), and the blocks are
+dealt into three splits by position (interleaved, so that every split spans the whole text):
 
 * ``train``: 7 blocks in 10; a training window is one block (inputs ``[:-1]``, labels ``[1:]``);
 * ``validation``: 1 in 10, for the learning-rate sweep and the held-out curves;
-* ``test``: 2 in 10, for every reported number: teacher-forced windows, and the prompts of the
-  speculative runs and of the main model's sampled continuations.
+* ``test``: 2 in 10, for every reported number, dealt again into disjoint blocks per use
+  (:func:`test_roles`): teacher-forced windows, the prompts of the speculative runs, and those
+  of the main model's sampled continuations.
 
 A window never crosses from one split into another.
 """
@@ -70,3 +71,21 @@ def load_domain(name: str, which: str, tokenizer, max_chars: Optional[int] = Non
                              f'{block}; raise max_chars')
     return Domain(name, source, parts['train'], parts['validation'], parts['test'],
                   hashlib.sha256(text.encode('utf-8')).hexdigest())
+
+
+def test_roles(domain: Domain, tf_windows: int, spec_prompts: int,
+               continuation_prompts: int) -> Dict[str, torch.Tensor]:
+    """The test split dealt into disjoint blocks per use, so that no two measurements share
+    text: ``'tf'`` (teacher-forced windows), ``'spec'`` (speculative-decoding prompts: each
+    block's opening) and ``'continuation'`` (openings the main model continues), ``[n, block]``
+    each."""
+    need = tf_windows + spec_prompts + continuation_prompts
+    blocks = domain.test
+    if need > blocks.shape[0]:
+        raise ValueError(f'domain {domain.name}: {tf_windows} teacher-forced windows, '
+                         f'{spec_prompts} prompts and {continuation_prompts} continuation prompts '
+                         f'need {need} test blocks, the split has {blocks.shape[0]}; raise '
+                         f'max_chars')
+    spec_end = tf_windows + spec_prompts
+    return {'tf': blocks[:tf_windows], 'spec': blocks[tf_windows:spec_end],
+            'continuation': blocks[spec_end:need]}

@@ -3,8 +3,8 @@ speculative decoding with a KV cache.
 
 * :class:`TeacherForcedSet`: held-out windows (real text, or the main model's own sampled
   continuations of real prompts: what speculative decoding drafts on) with the frozen backbone's
-  states and the main model's logits at the scored positions, computed once per backbone and
-  shared by every arm. :func:`teacher_forced` scores one model's heads on it: depth ``k`` at
+  states, computed once per backbone and shared by every arm (the main model's logits are
+  projected from them when scored). :func:`teacher_forced` scores one model's heads on it: depth ``k`` at
   position ``t`` (context ``>= t0`` tokens) drafts ``q_k[t]`` for token ``t+k+2``, the main model
   predicts that token with ``p[t+k+1]``; ``alpha_k = sum_v min(p_T, q_T)`` at T=1 and at a serving
   temperature, the greedy agreement ``1[argmax q == argmax p]``, and the accepted drafts per
@@ -50,26 +50,29 @@ def mean_and_se(per_unit: Tensor) -> Dict:
 
 @dataclass
 class TeacherForcedSet:
-    """Windows ``[N, S]``, their main states ``[S, N, h]`` and main logits at positions
-    ``t0 + 1 .. S - 1`` (``[S - 1 - t0, N, V]`` fp32): every target a depth ``k < gamma`` needs
-    at the scored positions ``t0 .. S - 2 - gamma``."""
+    """Windows ``[N, S]`` and their main states ``[S, N, h]``: everything a depth ``k < gamma``
+    needs at the scored positions ``t0 .. S - 2 - gamma``. The main model's logits (the
+    target ``p``) are projected from the states batch by batch when scored, not kept: kept,
+    they would be ``[S - 1 - t0, N, V]`` fp32, 6 GB for 128 windows of 512 tokens."""
 
     name: str
     windows: Tensor
     states: Tensor
-    target_logits: Tensor
     t0: int
 
     @classmethod
-    @torch.no_grad()
-    def build(cls, name: str, model, windows: Tensor, states: Tensor, t0: int,
-              batch: int = 4) -> 'TeacherForcedSet':
-        chunks = [logits(model, states[t0 + 1:, i : i + batch])
-                  for i in range(0, windows.shape[0], batch)]
-        return cls(name, windows, states, torch.cat(chunks, dim=1), t0)
+    def build(cls, name: str, model, windows: Tensor, states: Tensor,
+              t0: int) -> 'TeacherForcedSet':
+        del model  # the states are the model's; the targets are projected when scored
+        return cls(name, windows, states, t0)
 
     def positions(self, gamma: int) -> int:
         return self.windows.shape[1] - 1 - gamma - self.t0
+
+    def target_logits(self, model, start: int, stop: int) -> Tensor:
+        """The main logits at positions ``t0 + 1 .. S - 1`` of windows ``start:stop``:
+        ``[S - 1 - t0, stop - start, V]`` fp32."""
+        return logits(model, self.states[self.t0 + 1 :, start:stop])
 
 
 @torch.no_grad()
@@ -88,10 +91,11 @@ def teacher_forced(model, data: TeacherForcedSet, gamma: int, serving_temperatur
         tokens = data.windows[start : start + batch]
         hidden = data.states[:, start : start + batch]
         alphas = {name: [] for name in temps}
+        target = data.target_logits(model, start, start + tokens.shape[0])
         for k in range(gamma):
             hidden = mtp_depth(model, k, hidden, tokens)  # the whole window: causal context
             z_q = logits(model, hidden[data.t0 : data.t0 + count])  # [count, b, V]
-            z_p = data.target_logits[k : k + count, start : start + batch]  # p at t + k + 1
+            z_p = target[k : k + count]  # p at t + k + 1
             for name, t in temps.items():
                 if t == 0:
                     alphas[name].append((z_q.argmax(-1) == z_p.argmax(-1)).float())
@@ -99,6 +103,7 @@ def teacher_forced(model, data: TeacherForcedSet, gamma: int, serving_temperatur
                     alphas[name].append(torch.minimum(probabilities(z_q, t),
                                                       probabilities(z_p, t)).sum(-1))
             del z_q
+        del target
         for name in temps:
             per_mode[name].append(torch.stack(alphas[name], -1).transpose(0, 1))
     out = {}
@@ -249,12 +254,14 @@ def speculative_decoding(model, prompts: Prompts, gamma: int, rounds: int, tempe
     depth_acceptance = [float(hits[reached[:, k], k].double().mean()) if reached[:, k].any()
                         else float('nan') for k in range(gamma)]
     summary = mean_and_se(per_prompt)
+    per_prompt_rb = torch.stack(rb_steps, dim=1).double().mean(1)
     extra = ({'tokens': tokens, 'lengths': last + 1, 'accepted_per_step': counts.long(),
               'draft_logits': torch.stack(traced, 1).view(rows, rounds, gamma, -1)}
              if trace else {})
     return {**extra, 'accepted': summary,
             'tokens_per_step': {**summary, 'mean': summary['mean'] + 1.0},
-            'accepted_rao_blackwell': mean_and_se(torch.stack(rb_steps, dim=1).double().mean(1)),
+            'accepted_rao_blackwell': mean_and_se(per_prompt_rb),
+            'per_prompt_rao_blackwell': per_prompt_rb.tolist(),
             'depth_acceptance_given_reached': depth_acceptance,
             'per_prompt': per_prompt.tolist(), 'verify_steps': int(counts.numel()),
             'temperature': float(temperature)}

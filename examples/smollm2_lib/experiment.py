@@ -1,25 +1,34 @@
-"""The SmolLM2 experiment: its presets, its parts, and a store that lets a rerun skip what is done.
+"""The SmolLM2 experiment: one protocol for every loss, its presets, and a store of its parts.
 
-Scenarios (each a sequence of *parts*; a part trains one arm or one backbone and evaluates it):
+Everything trains on Python code (the standard library's sources, ``data.py``) at a constant
+learning rate after a short warm-up, so one run gives every horizon. Scenarios, in the order
+they run (a run cut short has the first ones):
 
-* ``cold``: fresh MTP heads (one depth) on the pretrained backbone, trained on English docs
-  (domain B) with every loss of the registry whose one-depth objective is its own (``'e2e_tv'``
-  is ``'tv'`` at one depth: it joins the chain), each at its best learning rate of a short sweep
-  on the validation split (``sweep_cold_*``), for each seed (``cold_<loss>_s<seed>``);
-* ``chain``: fresh heads with ``chain_depths`` depths, ``'tv'``, ``'e2e_tv'`` and the best
-  one-depth loss on the validation split (``chain_<loss>``);
-* ``graft``: the ``'ce'`` head of ``cold_ce_s0`` (the "official" head, trained on the original
-  backbone) grafted onto the backbone fine-tuned on code (domain A) without heads (``sft``), and
-  healed there on code with every loss (``heal_<loss>_s<seed>``, learning rates from
-  ``sweep_heal_*``); ``graft_before`` / ``graft_drifted`` measure the head before and after the
-  drift;
-* ``joint``: the same fine-tuning with the official head attached and trained together with the
-  backbone (``joint_ce``, ``joint_tv``): acceptance, and the main model's own held-out loss
-  against ``sft``'s.
+* ``cold``: fresh one-depth MTP heads on the pretrained backbone, trained with ``'ce'`` and
+  every loss of the registry whose one-depth objective is its own (``'e2e_tv'`` equals ``'tv'``
+  at one depth). Every loss runs the same learning-rate grid on seed 0 at the full budget of
+  ``cold_steps`` (``cold_{loss}_lr{lr}_n{steps}_s0``), extended by a half-decade while its best
+  rate is at an edge; each arm reports its gain over the last quarter of the run (a plateau:
+  under ``plateau_gain``). The best rate then runs the other seeds, and every seed's heads are
+  scored on the test split (``test_cold_{loss}_s{seed}``). One loss is finished before the next
+  starts, so that an interrupted run loses no heads a later part needs.
+* ``drift`` (the seeds' scenario): the ``'ce'`` head of ``cold_ce_s0`` at its rate plays the
+  *official* head, trained to plateau on the model it ships with. The backbone alone is then
+  moved the way RL moves a policy: fine-tuned on its own low-temperature samples of code
+  (``drift_sharpen``), until the official head's validation alpha has dropped by at least
+  ``drift_target``. ``drift_before`` / ``drift_after`` score the head on both backbones. The
+  head, grafted onto the moved backbone, is healed with every loss: the same grid protocol
+  (``heal_{loss}_lr{lr}_n{steps}_s{seed}``, ``test_heal_{loss}_s{seed}``).
+* ``joint``: the same fine-tuning of the backbone with the official head attached and trained
+  together with it (``mtp_detach_heads=False``, Megatron's MTP loss scale), every loss, for
+  ``joint_seeds`` (``joint_{loss}_s{seed}``): acceptance, and the main model's held-out loss
+  against the fine-tuning without heads.
 
-Every part writes ``<results>/parts/<name>.json`` when it finishes (``--commit`` also commits it);
-a rerun loads the parts whose settings fingerprint matches and runs only the rest. Weights a later
-part needs (the official head, the fine-tuned backbone) are kept in the cache folder, and
+Every part writes ``<results>/parts/<name>.json`` when it finishes (``--commit`` also commits
+it); a rerun loads the parts whose settings fingerprint matches and runs only the rest. A heads
+arm saves its heads and optimiser state every ``checkpoint_every`` steps in the cache folder, so
+an interrupted arm resumes mid-run and a finished one can be extended to a larger budget;
+weights a later part needs (an arm's final heads, the moved backbone) are kept there too, and
 retrained from their part's settings where a fresh machine lacks them.
 """
 
@@ -30,14 +39,12 @@ import os
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 #: Bumped when a change to the code changes what a part computes: old parts are then rerun.
-EXPERIMENT_VERSION = 1
-#: How many times a learning-rate sweep may extend its grid past the winning end.
-SWEEP_EXTENSIONS = 2
+EXPERIMENT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -47,81 +54,83 @@ class Preset:
     name: str
     scenarios: Tuple[str, ...]
     seeds: Tuple[int, ...]
+    """Seeds of every headline arm; the learning-rate grid runs on the first."""
     batch: int = 2
     block: int = 513
     """Tokens per data block: a training window (``block - 1`` tokens) and its labels; an
     evaluation window is the first ``2 * context`` tokens of a block."""
-    cold_steps: int = 100
+    stdlib_chars: int = 2_500_000
+    warmup: int = 20
+    """Steps of linear warm-up, then a constant learning rate."""
     lr_grid: Tuple[float, ...] = (3e-4, 1e-3, 3e-3)
-    """Learning rates of the cold sweep (one value: no sweep)."""
-    fixed_lrs: Tuple[Tuple[str, float], ...] = ()
-    """``(loss, lr)`` pairs that replace the cold sweep for those losses."""
-    sweep_fraction: float = 1 / 3
-    """A sweep arm trains this fraction of its scenario's steps."""
-    chain_depths: int = 3
-    chain_steps: int = 80
-    sft_steps: int = 60
-    sft_lr: float = 1e-4
-    heal_steps: int = 50
+    lr_extensions: int = 2
+    """Half-decades the grid may grow past a winning edge, per loss."""
+    cold_steps: int = 600
+    plateau_gain: float = 0.02
+    eval_every: int = 50
+    curve_windows: int = 32
+    """Validation windows of the curves (every ``eval_every`` steps); the whole validation
+    split scores each arm at its last step."""
+    checkpoint_every: int = 50
     heal_lr_grid: Tuple[float, ...] = (1e-4, 3e-4, 1e-3)
-    joint_steps: int = 60
+    heal_steps: int = 200
+    heal_eval_every: int = 25
+    sharpen_temperature: float = 0.5
+    sharpen_prompt: int = 128
+    """Tokens of real code that open each self-generated fine-tuning window."""
+    sharpen_windows: int = 192
+    sharpen_lr: float = 3e-5
+    sharpen_check_every: int = 25
+    sharpen_max_steps: int = 300
+    drift_target: float = 0.05
+    joint_seeds: Tuple[int, ...] = (0, 1)
     joint_mtp_scale: float = 0.1
     lk_eta: float = 3.0
     serving_temperature: float = 0.7
-    curve_points: int = 6
-    """Held-out (validation) evaluations per arm, evenly spaced, the last at the end."""
     context: int = 256
     """Scored positions have at least this many tokens of context; prompts are this long."""
-    tf_windows: int = 32
-    validation_windows: int = 8
-    continuation_prompts: int = 32
-    spec_prompts: int = 92
+    tf_windows: int = 96
+    spec_prompts: int = 96
     spec_rounds: int = 12
-    stdlib_chars: int = 1_500_000
+    continuation_prompts: int = 62
     threads: int = 2
 
     def common(self) -> Dict:
-        """The settings every part of a run shares (data, evaluation): a part stored under
-        other values of these is not reused. What one part trains (its loss, learning rate,
-        seed, steps, the head or backbone it starts from) is that part's own key."""
-        keys = ('block', 'batch', 'context', 'tf_windows', 'validation_windows',
-                'continuation_prompts', 'spec_prompts', 'spec_rounds', 'stdlib_chars',
-                'serving_temperature', 'curve_points', 'lk_eta')
+        """The settings every part of a run shares (data, protocol, evaluation): a part stored
+        under other values of these is not reused. What one part trains (its loss, learning
+        rate, seed, steps, what it starts from) is that part's own key."""
+        keys = ('block', 'batch', 'stdlib_chars', 'warmup', 'eval_every', 'curve_windows',
+                'context', 'tf_windows', 'spec_prompts', 'spec_rounds', 'continuation_prompts',
+                'serving_temperature', 'lk_eta')
         return {'version': EXPERIMENT_VERSION, **{k: getattr(self, k) for k in keys}}
 
 
 def depth_one_losses() -> List[str]:
     """``'ce'`` and the registry's losses whose objective is per depth (``per_chain`` losses
-    equal a per-depth one at one depth and join the chain scenario instead)."""
+    equal a per-depth one at one depth)."""
     from megatron.mtp_tv.losses import LOSSES
 
     return ['ce'] + [name for name, cls in LOSSES.items() if not cls.per_chain]
 
 
-def chain_losses() -> List[str]:
-    from megatron.mtp_tv.losses import LOSSES
-
-    return ['tv'] + [name for name, cls in LOSSES.items() if cls.per_chain]
-
-
 PRESETS: Dict[str, Preset] = {
-    'long': Preset(name='long', scenarios=('cold', 'graft', 'joint', 'chain'), seeds=(0, 1)),
-    # The cold-start ranking within 30 minutes (measured: docs/smollm2_demo.md, Presets): 40
-    # steps, one seed, each loss at the learning rate the long preset's sweep chose
-    # (examples/smollm2_results/long/report.md), the same evaluation. A loss the sweep has not
-    # seen yet runs at lr_grid's value.
-    'default': Preset(name='default', scenarios=('cold',), seeds=(0,), cold_steps=40,
-                      lr_grid=(1e-3,), curve_points=4,
-                      fixed_lrs=(('ce', 1e-3), ('tv', 3e-4), ('kl', 1e-3), ('lk', 3e-4),
-                                 ('nla', 3e-4))),
-    # The code paths of both presets at toy sizes (tests/test_smollm2.py), on one thread: the
+    'long': Preset(name='long', scenarios=('cold', 'drift', 'joint'), seeds=(0, 1, 2)),
+    # The method end to end within 30 minutes (measured: docs/smollm2_demo.md, Presets): the cold
+    # start alone, one seed, one learning rate for every loss, a short budget, a smaller slice of
+    # the same code and the same evaluation at smaller sizes. A demonstration, not a ranking.
+    'default': Preset(name='default', scenarios=('cold',), seeds=(0,), stdlib_chars=700_000,
+                      lr_grid=(1e-3,), cold_steps=60, eval_every=20, curve_windows=16,
+                      tf_windows=24, spec_prompts=32, continuation_prompts=8),
+    # The code paths of the long preset at toy sizes (tests/test_smollm2.py), on one thread: the
     # test runs beside another pytest-xdist worker, where two threads wait on each other in
     # OpenMP's barriers (on 2 cores: 120-210 s, against 80 s on one thread).
-    'smoke': Preset(name='smoke', scenarios=('cold', 'graft', 'joint', 'chain'), seeds=(0,),
-                    block=33, cold_steps=3, lr_grid=(1e-3, 3e-3), chain_depths=2, chain_steps=2,
-                    sft_steps=2, heal_steps=3, heal_lr_grid=(1e-3,), joint_steps=2,
-                    curve_points=2, context=8, tf_windows=2, validation_windows=2,
-                    continuation_prompts=2, spec_prompts=3, spec_rounds=2, stdlib_chars=60_000,
+    'smoke': Preset(name='smoke', scenarios=('cold', 'drift', 'joint'), seeds=(0,), block=33,
+                    stdlib_chars=40_000, warmup=1, lr_grid=(1e-3, 3e-3), lr_extensions=1,
+                    cold_steps=8, eval_every=2, curve_windows=2, checkpoint_every=2,
+                    heal_lr_grid=(1e-3,), heal_steps=2, heal_eval_every=1, sharpen_prompt=8,
+                    sharpen_windows=4, sharpen_lr=1e-3, sharpen_check_every=1,
+                    sharpen_max_steps=2, drift_target=1.0, joint_seeds=(0,), context=8,
+                    tf_windows=2, spec_prompts=3, spec_rounds=2, continuation_prompts=2,
                     batch=1, threads=1),
 }
 
@@ -203,13 +212,26 @@ def half_decade(lr: float, up: bool) -> float:
     return float(f'{m}e{e}')
 
 
-def schedule_points(steps: int, count: int) -> List[int]:
-    """``count`` evaluation steps evenly spaced over ``1 .. steps``, the last at ``steps``."""
-    return sorted({max(1, round(steps * i / count)) for i in range(1, count + 1)})
+def eval_points(steps: int, every: int) -> List[int]:
+    """The curve's evaluation steps: every ``every`` steps and the last."""
+    return sorted(set(range(every, steps + 1, every)) | {steps})
+
+
+def point_at(curve: List[Dict], step: float) -> Dict:
+    """The curve point nearest ``step``."""
+    return min(curve, key=lambda p: abs(p['step'] - step))
+
+
+def plateau_gain(curve: List[Dict], steps: int) -> float:
+    """Relative gain of validation accepted drafts (T=1) over the last quarter of ``steps``."""
+    end = point_at(curve, steps)['sampled']['accepted']
+    start = point_at(curve, 0.75 * steps)['sampled']['accepted']
+    return (end - start) / abs(start) if start else float('inf')
 
 
 def window_order(count: int, steps: int, batch: int, seed: int) -> torch.Tensor:
-    """``[steps, batch]`` indices of training windows: seeded permutations, epoch after epoch."""
+    """``[steps, batch]`` indices of training windows: seeded permutations, epoch after epoch.
+    A prefix of a longer order is the shorter one (an extended arm sees the same windows)."""
     generator = torch.Generator().manual_seed(seed)
     need = steps * batch
     order = torch.cat([torch.randperm(count, generator=generator)
@@ -217,15 +239,47 @@ def window_order(count: int, steps: int, batch: int, seed: int) -> torch.Tensor:
     return order[:need].view(steps, batch)
 
 
-@dataclass
-class BackboneSets:
-    """What every arm on one backbone is evaluated on (built once, on demand)."""
+def set_lr(optimizer, lr: float, step: int, warmup: int) -> None:
+    """The rate of ``step`` (1-based): a linear warm-up over ``warmup`` steps, then ``lr``.
+    Set from the step alone, so a resumed run continues the same schedule."""
+    for group in optimizer.param_groups:
+        group['lr'] = lr * min(1.0, step / warmup)
 
-    tf_test: object = None
-    tf_validation: object = None
-    tf_continuation: object = None
-    prompts: object = None
+
+def make_optimizer(params, lr: float):
+    """AdamW (betas 0.9/0.95, no weight decay); no gradient clipping anywhere: from a cold start
+    the losses' gradient norms differ 100-fold, and Adam without clipping is invariant to the
+    scale, where clipping would clip some arms and not others."""
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+@dataclass
+class EvalSets:
+    """What every arm on one backbone is evaluated on (built on first use, then kept)."""
+
+    validation: Optional[object] = None
+    curve: Optional[object] = None
+    tf_test: Optional[object] = None
+    tf_continuation: Optional[object] = None
+    prompts: Optional[object] = None
     train_states: Dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HeadsArm:
+    """One heads-only training run on a frozen backbone."""
+
+    scenario: str
+    """``'cold'`` (fresh heads on the original backbone) or ``'heal'`` (the official head on the
+    moved one)."""
+    loss: str
+    lr: float
+    seed: int
+    steps: int
+
+    @property
+    def name(self) -> str:
+        return f'{self.scenario}_{self.loss}_lr{self.lr:g}_n{self.steps}_s{self.seed}'
 
 
 class Experiment:
@@ -234,18 +288,19 @@ class Experiment:
     def __init__(self, preset: Preset, store: Store, cache_dir: Optional[str],
                  log: Callable[[str], None] = print):
         """``cache_dir``: the converted checkpoint's folder (``weights.load_hf``; None: its
-        default, '' none); weights later parts need go to ``<it>/runs/``."""
+        default, '' none); checkpoints and weights later parts need go to ``<it>/runs/``."""
         self.preset, self.store, self.log = preset, store, log
         from smollm2_lib.weights import default_cache_dir
 
         self.cache_dir = cache_dir
         root = default_cache_dir() if cache_dir is None else cache_dir
-        self.weights_dir = os.path.join(root, 'runs') if root else None
+        self.runs_dir = os.path.join(root, 'runs') if root else None
         self.records: Dict[str, Dict] = {}
         self.kept: Dict[str, Dict] = {}
         self.models: Dict[Tuple, object] = {}
-        self.fresh: Dict[Tuple[int, int], Dict] = {}
-        self.timings: Dict[str, float] = {}
+        self.fresh: Dict[int, Dict] = {}
+        self.sets: Dict[str, EvalSets] = {}
+        self.backbones: Dict[str, Dict] = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -254,20 +309,21 @@ class Experiment:
         from smollm2_lib import weights as W
 
         p = self.preset
-        t0 = time.monotonic()
         hf_model, tokenizer = W.load_hf(self.cache_dir)
         self.hf_config = hf_model.config
         if 2 * p.context > p.block - 1:
             raise ValueError(f'context {p.context}: evaluation windows of {2 * p.context} tokens '
                              f'do not fit blocks of {p.block}')
-        self.domains = {'B': DATA.load_domain('B', 'pydoc', tokenizer, block=p.block),
-                        'A': DATA.load_domain('A', 'stdlib', tokenizer, p.stdlib_chars, p.block)}
+        self.code = DATA.load_domain('code', 'stdlib', tokenizer, p.stdlib_chars, p.block)
+        self.roles = DATA.test_roles(self.code, p.tf_windows, p.spec_prompts,
+                                     p.continuation_prompts)
+        if p.curve_windows > self.code.validation.shape[0]:
+            raise ValueError(f'curve_windows {p.curve_windows}: the validation split has '
+                             f'{self.code.validation.shape[0]} blocks')
         model = self.build(None, 'ce')
         W.load_backbone(model, hf_model)
-        self.original = self.backbone_of(model)
+        self.backbones['original'] = self.backbone_of(model)
         del hf_model
-        self.sets: Dict[Tuple[str, str], BackboneSets] = {}
-        self.timings['setup'] = time.monotonic() - t0
 
     def build(self, depths: Optional[int], loss: str, joint: bool = False, seed: int = 0,
               backbone: Optional[Dict] = None, heads: Optional[Dict] = None):
@@ -296,178 +352,115 @@ class Experiment:
         if key not in self.models:
             self.models[key] = make(seed)
             if depths is not None:
-                self.fresh.setdefault((depths, seed), self.heads_of(self.models[key]))
+                self.fresh.setdefault(seed, self.heads_of(self.models[key]))
         model = self.models[key]
         if depths is not None:
             model.config.mtp_loss_type = loss  # read (and validated) by every MTP loss call
             if heads is None:
-                if (depths, seed) not in self.fresh:
-                    self.fresh[(depths, seed)] = self.heads_of(make(seed))
-                heads = self.fresh[(depths, seed)]
+                if seed not in self.fresh:
+                    self.fresh[seed] = self.heads_of(make(seed))
+                heads = self.fresh[seed]
         model.load_state_dict({**model.state_dict(), **(backbone or {}), **(heads or {})})
         MTPLossLoggingHelper.tracker.clear()
         return model
 
-    def release(self, backbone_name: str, domain: str, keep: Tuple[str, ...] = ()) -> None:
-        """Free a backbone's evaluation sets (each a few GB), but those in ``keep``."""
-        sets = self.sets.get((backbone_name, domain))
-        if sets is None:
-            return
-        kept = BackboneSets(**{n: getattr(sets, n) for n in keep})
-        self.sets[(backbone_name, domain)] = kept
+    @staticmethod
+    def heads_of(model) -> Dict:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()
+                if k.startswith('mtp.') and torch.is_tensor(v)}
 
-    def backbone_sets(self, backbone_name: str, backbone: Dict, domain: str,
-                      need: Tuple[str, ...]) -> BackboneSets:
-        """Evaluation sets of one (backbone, domain), built on first use and kept."""
+    @staticmethod
+    def backbone_of(model) -> Dict:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()
+                if not k.startswith('mtp.') and torch.is_tensor(v)}
+
+    # ------------------------------------------------------------------ evaluation sets
+
+    def eval_sets(self, backbone: str, need: Tuple[str, ...]) -> EvalSets:
+        """Evaluation sets of one backbone on code, built on first use and kept. The roles are
+        disjoint blocks: the validation split (curves on its first ``curve_windows`` windows,
+        the whole split at an arm's end), and in the test split the teacher-forced windows, the
+        speculative-decoding prompts and the prompts the main model continues."""
         from smollm2_lib import evaluate as E
         from smollm2_lib import heads as H
 
         p = self.preset
-        sets = self.sets.setdefault((backbone_name, domain), BackboneSets())
+        sets = self.sets.setdefault(backbone, EvalSets())
         missing = [n for n in need if getattr(sets, n) is None]
         if not missing:
             return sets
-        t0 = time.monotonic()
-        model = self.build(None, 'ce', backbone=backbone)  # no heads: states and logits
-        blocks = self.domains[domain]
+        model = self.build(None, 'ce', backbone=self.backbones[backbone])  # states and logits
         window = p.context * 2
-        label = f'{backbone_name} backbone, domain {domain}'
+        label = f'{backbone} backbone'
         for name in missing:
-            if name == 'tf_test':
-                windows = blocks.test[: p.tf_windows, :window]
+            if name in ('validation', 'curve'):
+                if sets.validation is None:
+                    windows = self.code.validation[:, :window]
+                    states = H.cache_states(model, windows, 4, f'{label}: validation windows')
+                    sets.validation = E.TeacherForcedSet.build('validation', model, windows,
+                                                               states, p.context)
+                n = p.curve_windows
+                sets.curve = E.TeacherForcedSet('curve', sets.validation.windows[:n],
+                                                sets.validation.states[:, :n], p.context)
+            elif name == 'tf_test':
+                windows = self.roles['tf'][:, :window]
                 states = H.cache_states(model, windows, 4, f'{label}: test windows')
                 sets.tf_test = E.TeacherForcedSet.build('test', model, windows, states, p.context)
-            elif name == 'tf_validation':
-                windows = blocks.validation[: p.validation_windows, :window]
-                states = H.cache_states(model, windows, 4, f'{label}: validation windows')
-                sets.tf_validation = E.TeacherForcedSet.build('validation', model, windows,
-                                                              states, p.context)
             elif name == 'tf_continuation':
-                # the last test blocks' openings, continued by the main model itself at T=1
-                prompts = blocks.test[-p.continuation_prompts:, : p.context]
-                windows = E.generate(model, prompts, p.context, 1.0, seed=17)
+                # test blocks' openings, continued by this backbone itself at T=1
+                windows = E.generate(model, self.roles['continuation'][:, : p.context],
+                                     p.context, 1.0, seed=17)
                 states = H.cache_states(model, windows, 4, f'{label}: sampled continuations')
                 sets.tf_continuation = E.TeacherForcedSet.build('continuation', model, windows,
                                                                 states, p.context)
             elif name == 'prompts':
-                halves = blocks.test[:, : 2 * p.context].reshape(-1, p.context)
-                tokens = halves[: p.spec_prompts]
-                capacity = p.context + p.spec_rounds * (p.chain_depths + 1) + 2 * p.chain_depths + 2
-                sets.prompts = E.Prompts.prefill(model, tokens, capacity)
-        self.timings[f'eval_sets {label}'] = (self.timings.get(f'eval_sets {label}', 0.0)
-                                              + time.monotonic() - t0)
+                capacity = p.context + p.spec_rounds * 2 + 4
+                sets.prompts = E.Prompts.prefill(model, self.roles['spec'][:, : p.context],
+                                                 capacity)
         return sets
 
-    def train_states(self, backbone_name: str, backbone: Dict, domain: str,
+    def release(self, backbone: str) -> None:
+        """Free a backbone's evaluation sets and training states (a few GB)."""
+        self.sets.pop(backbone, None)
+
+    def train_states(self, backbone: str, windows: torch.Tensor,
                      indices: torch.Tensor) -> Dict[int, torch.Tensor]:
-        """The backbone's states ``[block - 1, 1, h]`` of the training windows ``indices``."""
+        """The backbone's states ``[block - 1, 1, h]`` of the training windows ``indices`` of
+        ``windows``, computed once per backbone and kept on disk in the cache folder (a
+        resumed run does not recompute them)."""
         from smollm2_lib import heads as H
 
-        sets = self.sets.setdefault((backbone_name, domain), BackboneSets())
+        sets = self.sets.setdefault(backbone, EvalSets())
         todo = sorted({int(i) for i in indices.flatten()} - set(sets.train_states))
+        path = self._runs_path(f'states-{backbone}-{self.backbone_fingerprint(backbone)}.pt')
+        if todo and path and os.path.exists(path):
+            sets.train_states.update(torch.load(path))
+            todo = [i for i in todo if i not in sets.train_states]
         if todo:
-            model = self.build(None, 'ce', backbone=backbone)  # no heads: states and logits
-            windows = self.domains[domain].train[todo, :-1]
-            states = H.cache_states(model, windows, 4,
-                                    f'{backbone_name} backbone, domain {domain}: train windows')
+            model = self.build(None, 'ce', backbone=self.backbones[backbone])
+            states = H.cache_states(model, windows[todo, :-1], 4,
+                                    f'{backbone} backbone: training windows')
             for j, i in enumerate(todo):
-                sets.train_states[i] = states[:, j : j + 1]
+                sets.train_states[i] = states[:, j : j + 1].clone()
+            if path:
+                self._save(path, sets.train_states)
         return sets.train_states
 
-    # ------------------------------------------------------------------ training
+    def backbone_fingerprint(self, backbone: str) -> str:
+        """What made ``backbone``: the original checkpoint, or the drift's fine-tuning."""
+        return self.store.fingerprint(self.drift_key() if backbone == 'moved' else
+                                      {'backbone': backbone})
 
-    def train_heads(self, model, backbone_name: str, backbone: Dict, domain: str, steps: int,
-                    lr: float, seed: int, validation: Optional[object]) -> Dict:
-        """Heads only, on cached backbone states; returns the curves."""
-        from cpu_demo_lib import model as M
-        from smollm2_lib import heads as H
+    # ------------------------------------------------------------------ storage
 
-        p = self.preset
-        order = window_order(self.domains[domain].train.shape[0], steps, p.batch, seed)
-        states = self.train_states(backbone_name, backbone, domain, order)
-        params = H.freeze_backbone(model)
-        optimizer, schedule = M.make_optimizer(params, lr, steps)
-        curve = {'step': [], 'mtp_loss': [], 'grad_norm': [], 'validation': []}
-        points = set(schedule_points(steps, p.curve_points)) if validation is not None else set()
-        gamma = model.config.mtp_num_layers
-        for step in range(1, steps + 1):
-            rows = order[step - 1]
-            blocks = self.domains[domain].train[rows]
-            main = torch.cat([states[int(i)] for i in rows], dim=1)
-            stats = H.train_step(model, optimizer, blocks[:, :-1], blocks[:, 1:], main, None)
-            schedule.step()
-            curve['step'].append(step)
-            curve['mtp_loss'].append(stats['mtp_loss'])
-            curve['grad_norm'].append(stats['grad_norm'])
-            if step in points:
-                curve['validation'].append({'step': step, **self.validation_summary(
-                    model, validation, gamma)})
-        return curve
-
-    def train_full(self, model, domain: str, steps: int, lr: float, seed: int,
-                   validation: Optional[Callable] = None) -> Dict:
-        """Backbone (and heads, if the model has them) on the main loss (+ the MTP loss)."""
-        from cpu_demo_lib import model as M
-
-        p = self.preset
-        order = window_order(self.domains[domain].train.shape[0], steps, 1, seed)
-        params = M.set_trainable(model, 'all')
-        optimizer, schedule = M.make_optimizer(params, lr, steps)
-        curve = {'step': [], 'main_loss': [], 'mtp_loss': [], 'grad_norm': [], 'validation': []}
-        points = set(schedule_points(steps, max(2, p.curve_points // 2))) if validation else set()
-        for step in range(1, steps + 1):
-            blocks = self.domains[domain].train[order[step - 1]]
-            stats: Dict = {}
-            main = M.train_step(model, optimizer, blocks[:, :-1], blocks[:, 1:], clip=1.0,
-                                stats=stats)
-            schedule.step()
-            losses = M.mtp_tracker_losses()
-            curve['step'].append(step)
-            curve['main_loss'].append(main)
-            curve['mtp_loss'].append(None if losses is None else float(losses.mean()))
-            curve['grad_norm'].append(stats['grad_norm'])
-            if step in points:
-                curve['validation'].append({'step': step, **validation(model)})
-        return curve
-
-    # ------------------------------------------------------------------ evaluation
-
-    def validation_summary(self, model, validation, gamma: int) -> Dict:
-        from smollm2_lib import evaluate as E
-
-        tf = E.teacher_forced(model, validation, gamma, self.preset.serving_temperature)
-        return {mode: {'accepted': tf[mode]['accepted']['mean'],
-                       'alpha': [a['mean'] for a in tf[mode]['alpha']]}
-                for mode in (E.SAMPLED, E.GREEDY)}
-
-    def final_eval(self, model, sets: BackboneSets, gamma: int, seed: int = 29) -> Dict:
-        """Teacher-forced on test text (and sampled continuations where built), speculative
-        decoding at T=1 and greedy on the test prompts (common random numbers: ``seed``)."""
-        from smollm2_lib import evaluate as E
-
-        p = self.preset
-        out = {'tf_test': E.teacher_forced(model, sets.tf_test, gamma, p.serving_temperature)}
-        if sets.tf_continuation is not None:
-            out['tf_continuation'] = E.teacher_forced(model, sets.tf_continuation, gamma,
-                                                      p.serving_temperature)
-        for key, temperature in (('spec_sampled', 1.0), ('spec_greedy', 0.0)):
-            out[key] = E.speculative_decoding(model, sets.prompts, gamma, p.spec_rounds,
-                                              temperature, seed)
-        return out
+    def _runs_path(self, name: str) -> Optional[str]:
+        return os.path.join(self.runs_dir, name) if self.runs_dir else None
 
     @staticmethod
-    def main_model_loss(sets: BackboneSets) -> Dict:
-        """The main model's held-out NLL per token on the test windows (context >= t0 + 1)."""
-        data = sets.tf_test
-        z = data.target_logits[:-1]  # positions t0+1 .. S-2 predict tokens t0+2 .. S-1
-        labels = data.windows[:, data.t0 + 2 :].transpose(0, 1)
-        nll = torch.nn.functional.cross_entropy(z.reshape(-1, z.shape[-1]), labels.reshape(-1),
-                                                reduction='none').view(labels.shape)
-        from smollm2_lib.evaluate import mean_and_se
-
-        return {'nll': mean_and_se(nll.mean(0)), 'per_window': nll.mean(0).tolist()}
-
-    # ------------------------------------------------------------------ parts
+    def _save(path: str, obj) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(obj, path + '.tmp')
+        os.replace(path + '.tmp', path)
 
     def part(self, name: str, key: Dict, run: Callable[[], Dict]) -> Dict:
         """Load part ``name`` made from ``key``, or run it and store it."""
@@ -484,277 +477,392 @@ class Experiment:
         self.records[name] = record
         return record
 
-    def _weights_path(self, key: Dict) -> Optional[str]:
-        if self.weights_dir is None:
-            return None
-        return os.path.join(self.weights_dir, f'{self.store.fingerprint(key)}.pt')
-
-    def keep(self, key: Dict, record: Dict, state: Dict) -> Dict:
-        """Cache ``state``, the weights the part made from ``key`` that later parts need, and
-        return ``record``."""
-        path = self._weights_path(key)
-        if path:
-            os.makedirs(self.weights_dir, exist_ok=True)
-            torch.save(state, path + '.tmp')
-            os.replace(path + '.tmp', path)
-        self.kept[fingerprint(key)] = state
-        return record
-
     def kept_weights(self, key: Dict, remake: Callable[[], Dict]) -> Dict:
-        """Weights :meth:`keep` cached: in memory, in the cache folder, else ``remake()``."""
-        if fingerprint(key) not in self.kept:
-            path = self._weights_path(key)
+        """Weights kept for ``key``: in memory, in the cache folder, else ``remake()`` (kept)."""
+        fp = self.store.fingerprint(key)
+        if fp not in self.kept:
+            path = self._runs_path(f'weights-{fp}.pt')
             if path and os.path.exists(path):
-                self.kept[fingerprint(key)] = torch.load(path)
+                self.kept[fp] = torch.load(path)
             else:
-                self.log(f'weights of {key}: not in the cache folder; retraining them')
-                self.keep(key, {}, remake())
-        return self.kept[fingerprint(key)]
+                self.log(f'weights of {key}: not in the cache folder; making them')
+                self.kept[fp] = remake()
+                if path:
+                    self._save(path, self.kept[fp])
+        return self.kept[fp]
 
-    @staticmethod
-    def heads_of(model) -> Dict:
-        return {k: v.detach().clone() for k, v in model.state_dict().items()
-                if k.startswith('mtp.') and torch.is_tensor(v)}
+    # ------------------------------------------------------------------ heads-only arms
 
-    @staticmethod
-    def backbone_of(model) -> Dict:
-        return {k: v.detach().clone() for k, v in model.state_dict().items()
-                if not k.startswith('mtp.') and torch.is_tensor(v)}
+    def arm_key(self, arm: HeadsArm) -> Dict:
+        start = ({'heads': 'fresh', 'backbone': 'original'} if arm.scenario == 'cold' else
+                 {'heads': self.official_key(), 'backbone': self.drift_key()})
+        return {**start, 'loss': arm.loss, 'lr': arm.lr, 'seed': arm.seed, 'steps': arm.steps}
 
-    def best_lr(self, kind: str, loss: str, grid: Tuple[float, ...], steps: int, base: Dict,
-                run_arm: Callable[..., Tuple[Dict, Dict]]) -> float:
-        """The learning rate with the best validation accepted drafts (T=1) after a
-        ``sweep_fraction`` run from seed 0 (``base``: what the arms start from), over ``grid``
-        extended by a half-decade past whichever end wins (up to :data:`SWEEP_EXTENSIONS`
-        times), so that the choice is not an edge of the grid; the grid's only value without a
-        sweep, or the preset's fixed one."""
-        fixed = dict(self.preset.fixed_lrs)
-        if kind == 'cold' and loss in fixed:
-            return fixed[loss]
-        if len(grid) == 1:
-            return grid[0]
-        steps = max(1, round(steps * self.preset.sweep_fraction))
+    def _start(self, arm: HeadsArm) -> Tuple[str, Optional[Dict]]:
+        """``(backbone, heads)`` the arm starts from (None: fresh heads of its seed)."""
+        return ('original', None) if arm.scenario == 'cold' else ('moved', self.official())
+
+    def run_arm(self, arm: HeadsArm) -> Tuple[Dict, Dict]:
+        """Train ``arm`` from its latest checkpoint (or from the start): ``(record, heads)``.
+
+        The record holds the curve (the first ``curve_windows`` validation windows every
+        ``eval_every`` steps), the per-step MTP loss and gradient norm, and the whole
+        validation split's score at the last step."""
+        from smollm2_lib import heads as H
+
+        p = self.preset
+        backbone, heads = self._start(arm)
+        every = p.heal_eval_every if arm.scenario == 'heal' else p.eval_every
+        sets = self.eval_sets(backbone, ('validation', 'curve'))
+        windows = self.code.train
+        order = window_order(windows.shape[0], arm.steps, p.batch, arm.seed)
+        states = self.train_states(backbone, windows, order)
+        model = self.build(1, arm.loss, seed=arm.seed, backbone=self.backbones[backbone],
+                           heads=heads)
+        params = H.freeze_backbone(model)
+        optimizer = make_optimizer(params, arm.lr)
+        curve = {'step': [], 'mtp_loss': [], 'grad_norm': [], 'validation': []}
+        ckpt_key = {**self.arm_key(arm), 'steps': None}
+        ckpt_path = self._runs_path(f'arm-{self.store.fingerprint(ckpt_key)}.pt')
+        done = 0
+        if ckpt_path and os.path.exists(ckpt_path):
+            ckpt = torch.load(ckpt_path)
+            if ckpt['step'] <= arm.steps:
+                done, curve = ckpt['step'], ckpt['curve']
+                model.load_state_dict({**model.state_dict(), **ckpt['heads']})
+                optimizer.load_state_dict(ckpt['optimizer'])
+                self.log(f'{arm.name}: resumed at step {done}')
+        if done == 0:
+            curve['validation'].append({'step': 0, **self.validation_summary(model, sets.curve)})
+        points = set(eval_points(arm.steps, every))
+        for step in range(done + 1, arm.steps + 1):
+            rows = order[step - 1]
+            blocks = windows[rows]
+            main = torch.cat([states[int(i)] for i in rows], dim=1)
+            set_lr(optimizer, arm.lr, step, p.warmup)
+            stats = H.train_step(model, optimizer, blocks[:, :-1], blocks[:, 1:], main, None)
+            curve['step'].append(step)
+            curve['mtp_loss'].append(stats['mtp_loss'])
+            curve['grad_norm'].append(stats['grad_norm'])
+            if step in points:
+                curve['validation'].append({'step': step, **self.validation_summary(
+                    model, sets.curve)})
+            if ckpt_path and (step % p.checkpoint_every == 0 or step == arm.steps):
+                self._save(ckpt_path, {'step': step, 'curve': curve, 'heads': self.heads_of(model),
+                                       'optimizer': optimizer.state_dict()})
+        record = {'scenario': arm.scenario, 'loss': arm.loss, 'lr': arm.lr, 'seed': arm.seed,
+                  'steps': arm.steps, 'depths': 1, 'curve': curve,
+                  'validation': self.validation_summary(model, sets.validation),
+                  'plateau_gain': plateau_gain(curve['validation'], arm.steps)}
+        return record, self.heads_of(model)
+
+    def arm(self, arm: HeadsArm) -> Dict:
+        """Part ``arm.name``; its final heads are kept for the test part."""
+        key = self.arm_key(arm)
+
+        def run():
+            record, heads = self.run_arm(arm)
+            self.kept[self.store.fingerprint(key)] = heads
+            path = self._runs_path(f'weights-{self.store.fingerprint(key)}.pt')
+            if path:
+                self._save(path, heads)
+            return record
+
+        return self.part(arm.name, key, run)
+
+    def heads(self, arm: HeadsArm) -> Dict:
+        return self.kept_weights(self.arm_key(arm), lambda: self.run_arm(arm)[1])
+
+    def best_lr(self, scenario: str, loss: str, steps: int, grid: Tuple[float, ...]) -> float:
+        """The rate with the best whole-validation accepted drafts (T=1) at ``steps`` on seed 0,
+        over ``grid`` extended by a half-decade past whichever end wins (up to
+        ``lr_extensions`` times), so that the choice is not an edge of the grid."""
+        seed = self.preset.seeds[0]
         scores: Dict[float, float] = {}
         todo = list(grid)
-        for _ in range(SWEEP_EXTENSIONS + 1):
+        for _ in range(self.preset.lr_extensions + 1):
             for lr in todo:
-                key = {**base, 'loss': loss, 'lr': lr, 'seed': 0, 'steps': steps}
-                record = self.part(f'sweep_{kind}_{loss}_lr{lr:g}', key,
-                                   lambda lr=lr: run_arm(loss, lr, 0, steps)[0])
-                scores[lr] = record['curve']['validation'][-1]['sampled']['accepted']
+                record = self.arm(HeadsArm(scenario, loss, lr, seed, steps))
+                scores[lr] = record['validation']['sampled']['accepted']
             best = max(scores, key=scores.get)
-            if best not in (min(scores), max(scores)):
+            if len(scores) == 1 or best not in (min(scores), max(scores)):
                 break
             todo = [half_decade(best, up=best == max(scores))]
         return best
 
-    # cold and chain ----------------------------------------------------------
-
-    def cold_arm(self, loss: str, lr: float, seed: int, steps: int, depths: int = 1,
-                 final: bool = False) -> Tuple[Dict, Dict]:
-        """Fresh heads (seeded by ``seed``) on the original backbone, trained on domain B:
-        ``(record, heads)``."""
-        sets = self.backbone_sets('original', self.original, 'B', ('tf_validation',) + (
-            ('tf_test', 'tf_continuation', 'prompts') if final else ()))
-        model = self.build(depths, loss, seed=seed, backbone=self.original)
-        curve = self.train_heads(model, 'original', self.original, 'B', steps, lr, seed,
-                                 sets.tf_validation)
-        record = {'scenario': 'chain' if depths > 1 else 'cold', 'loss': loss, 'lr': lr,
-                  'seed': seed, 'steps': steps, 'depths': depths, 'curve': curve}
-        if final:
-            record['final'] = self.final_eval(model, sets, depths)
-        return record, self.heads_of(model)
-
-    def cold_key(self, loss: str, lr: float, seed: int, steps: int, depths: int = 1) -> Dict:
-        return {'heads': 'fresh', 'domain': 'B', 'loss': loss, 'lr': lr, 'seed': seed,
-                'steps': steps, 'depths': depths}
-
-    def run_cold(self) -> Dict[str, float]:
-        """Every part of the cold scenario; returns each loss's chosen learning rate."""
-        p = self.preset
-
-        def init():
-            sets = self.backbone_sets('original', self.original, 'B', (
-                'tf_validation', 'tf_test', 'tf_continuation', 'prompts'))
-            model = self.build(1, 'ce', seed=0, backbone=self.original)
-            return {'scenario': 'cold', 'loss': None, 'depths': 1,
-                    'validation': self.validation_summary(model, sets.tf_validation, 1),
-                    'final': self.final_eval(model, sets, 1),
-                    'main_model': self.main_model_loss(sets)}
-
-        self.part('cold_init', {'heads': 'fresh', 'seed': 0}, init)
-        lrs = {}
-        for loss in depth_one_losses():
-            lrs[loss] = self.best_lr('cold', loss, p.lr_grid, p.cold_steps,
-                                     {'heads': 'fresh', 'domain': 'B', 'depths': 1},
-                                     self.cold_arm)
-            for seed in p.seeds:
-                key = self.cold_key(loss, lrs[loss], seed, p.cold_steps)
-
-                def arm(loss=loss, seed=seed, key=key):
-                    record, heads = self.cold_arm(loss, lrs[loss], seed, p.cold_steps, final=True)
-                    # cold_ce_s0's head is the graft scenario's official head
-                    return self.keep(key, record, heads) if (loss, seed) == ('ce', 0) else record
-
-                self.part(f'cold_{loss}_s{seed}', key, arm)
-        return lrs
-
-    def official_key(self, lrs: Dict[str, float]) -> Dict:
-        return self.cold_key('ce', lrs['ce'], 0, self.preset.cold_steps)
-
-    def official_head(self, lrs: Dict[str, float]) -> Dict:
-        """The heads of part ``cold_ce_s0``: an official head, 'ce' on the original model."""
-        return self.kept_weights(self.official_key(lrs), lambda: self.cold_arm(
-            'ce', lrs['ce'], 0, self.preset.cold_steps)[1])
-
-    def run_chain(self, lrs: Dict[str, float]) -> None:
-        p = self.preset
-        cold = {loss: self.records.get(f'cold_{loss}_s0') for loss in depth_one_losses()}
-        best = max((loss for loss, r in cold.items() if r is not None),
-                   key=lambda loss: cold[loss]['curve']['validation'][-1]['sampled']['accepted'])
-        for loss in dict.fromkeys(chain_losses() + [best]):
-            lr = lrs.get(loss, lrs['tv'])  # a per-chain loss is 'tv' at one depth
-            self.part(f'chain_{loss}', self.cold_key(loss, lr, 0, p.chain_steps, p.chain_depths),
-                      lambda loss=loss, lr=lr: {
-                          **self.cold_arm(loss, lr, 0, p.chain_steps, depths=p.chain_depths,
-                                          final=True)[0],
-                          'chosen_as': ('the best one-depth loss on validation' if loss == best
-                                        else 'chain')})
-
-    # graft and joint ---------------------------------------------------------
-
-    def sft_key(self) -> Dict:
-        return {'backbone': 'fine-tuned', 'domain': 'A', 'steps': self.preset.sft_steps,
-                'lr': self.preset.sft_lr, 'seed': 41}
-
-    def fine_tune(self) -> Tuple[Dict, Dict]:
-        """The original backbone fine-tuned on code (domain A), no MTP heads: the SFT that moves
-        the main model away from its official head. ``(curve, backbone)``."""
-        p = self.preset
-        model = self.build(None, 'ce', backbone=self.original)
-        curve = self.train_full(model, 'A', p.sft_steps, p.sft_lr, seed=41)
-        return curve, self.backbone_of(model)
-
-    def sft_backbone(self) -> Dict:
-        p = self.preset
+    def test_part(self, arm: HeadsArm) -> Dict:
+        """Part ``test_<scenario>_<loss>_s<seed>``: the arm's final heads on the test split."""
+        backbone, _ = self._start(arm)
 
         def run():
-            before = self.main_losses('original', self.original)
-            curve, backbone = self.fine_tune()
-            record = {'scenario': 'graft', 'steps': p.sft_steps, 'lr': p.sft_lr, 'curve': curve,
-                      'main_model_before': before,
-                      'main_model': self.main_losses('sft', backbone)}
-            return self.keep(self.sft_key(), record, backbone)
+            heads = self.heads(arm)
+            sets = self.eval_sets(backbone, ('tf_test', 'tf_continuation', 'prompts'))
+            model = self.build(1, arm.loss, backbone=self.backbones[backbone], heads=heads)
+            return {'scenario': arm.scenario, 'loss': arm.loss, 'lr': arm.lr, 'seed': arm.seed,
+                    'steps': arm.steps, 'depths': 1, 'final': self.final_eval(model, sets)}
 
-        self.part('sft', self.sft_key(), run)
-        return self.kept_weights(self.sft_key(), lambda: self.fine_tune()[1])
+        return self.part(f'test_{arm.scenario}_{arm.loss}_s{arm.seed}',
+                         {**self.arm_key(arm), 'test': True}, run)
 
-    def main_losses(self, name: str, backbone: Dict) -> Dict:
-        """The main model's held-out loss on both domains' test windows."""
-        return {d: self.main_model_loss(self.backbone_sets(name, backbone, d, ('tf_test',)))
-                for d in ('A', 'B')}
+    # ------------------------------------------------------------------ cold start
 
-    def heal_arm(self, loss: str, lr: float, seed: int, steps: int,
-                 final: bool = False) -> Tuple[Dict, Dict]:
-        """The official head on the fine-tuned backbone, healed on code with ``loss``."""
-        sft = self.sft_state
-        sets = self.backbone_sets('sft', sft, 'A', ('tf_validation',) + (
-            ('tf_test', 'tf_continuation', 'prompts') if final else ()))
-        model = self.build(1, loss, backbone=sft, heads=self.official)
-        curve = self.train_heads(model, 'sft', sft, 'A', steps, lr, seed, sets.tf_validation)
-        record = {'scenario': 'graft', 'loss': loss, 'lr': lr, 'seed': seed, 'steps': steps,
-                  'depths': 1, 'curve': curve}
-        if final:
-            record['final'] = self.final_eval(model, sets, 1)
-        return record, self.heads_of(model)
+    def run_cold(self) -> None:
+        p = self.preset
 
-    def run_graft(self, lrs: Dict[str, float], seeds: Sequence[int]) -> None:
+        def init():  # fresh heads, before any training
+            sets = self.eval_sets('original', ('validation', 'tf_test', 'tf_continuation',
+                                               'prompts'))
+            model = self.build(1, 'ce', seed=p.seeds[0], backbone=self.backbones['original'])
+            return {'scenario': 'cold', 'loss': None, 'depths': 1,
+                    'validation': self.validation_summary(model, sets.validation),
+                    'final': self.final_eval(model, sets),
+                    'main_model': self.main_model_loss('original', sets.tf_test)}
+
+        self.part('cold_init', {'heads': 'fresh', 'seed': p.seeds[0]}, init)
+        self.cold_lrs = self.run_losses('cold', p.cold_steps, p.lr_grid)
+
+    def run_losses(self, scenario: str, steps: int, grid: Tuple[float, ...]) -> Dict[str, float]:
+        """Every loss in turn: its grid on the first seed, then its best rate on every seed,
+        each seed's heads scored on the test split. Returns each loss's rate."""
+        lrs = {}
+        for loss in depth_one_losses():
+            lrs[loss] = self.best_lr(scenario, loss, steps, grid)
+            for seed in self.preset.seeds:
+                arm = HeadsArm(scenario, loss, lrs[loss], seed, steps)
+                self.arm(arm)
+                self.test_part(arm)
+        return lrs
+
+    # ------------------------------------------------------------------ drift
+
+    def official_arm(self) -> HeadsArm:
+        return HeadsArm('cold', 'ce', self.cold_lrs['ce'], self.preset.seeds[0],
+                        self.preset.cold_steps)
+
+    def official_key(self) -> Dict:
+        return self.arm_key(self.official_arm())
+
+    def official(self) -> Dict:
+        """The official head: ``'ce'`` at its rate, trained to plateau on the original model."""
+        return self.heads(self.official_arm())
+
+    def sharpen_data(self) -> Dict:
+        """The moved backbone's fine-tuning data: the original model's own continuations at
+        ``sharpen_temperature`` of the openings of training blocks (real code), and a mask on
+        the labels it generated: ``{'windows': [N, block - 1 + 1], 'mask': [block - 1]}``."""
         from smollm2_lib import evaluate as E
 
         p = self.preset
-        self.official = self.official_head(lrs)
-        self.sft_state = self.sft_backbone()
-        graft = {'heads': self.official_key(lrs), 'backbone': self.sft_key()}
 
-        def before():  # the official head on the model it was trained for, on code
-            sets = self.backbone_sets('original', self.original, 'A',
-                                      ('tf_test', 'tf_validation'))
-            model = self.build(1, 'ce', backbone=self.original, heads=self.official)
-            return {'scenario': 'graft', 'loss': None, 'depths': 1,
-                    'validation': self.validation_summary(model, sets.tf_validation, 1),
-                    'final': {'tf_test': E.teacher_forced(model, sets.tf_test, 1,
-                                                          p.serving_temperature)}}
+        def make():
+            model = self.build(None, 'ce', backbone=self.backbones['original'])
+            prompts = self.code.train[: p.sharpen_windows, : p.sharpen_prompt]
+            windows = E.generate(model, prompts, p.block - p.sharpen_prompt,
+                                 p.sharpen_temperature, seed=23)
+            mask = torch.zeros(p.block - 1)
+            mask[p.sharpen_prompt - 1 :] = 1.0  # labels of generated tokens
+            return {'windows': windows, 'mask': mask}
 
-        def drifted():  # the same head grafted onto the fine-tuned model, not healed
-            sets = self.backbone_sets('sft', self.sft_state, 'A', (
-                'tf_validation', 'tf_test', 'tf_continuation', 'prompts'))
-            model = self.build(1, 'ce', backbone=self.sft_state, heads=self.official)
-            return {'scenario': 'graft', 'loss': None, 'depths': 1,
-                    'validation': self.validation_summary(model, sets.tf_validation, 1),
-                    'final': self.final_eval(model, sets, 1)}
+        key = {'data': 'sharpen', 'temperature': p.sharpen_temperature,
+               'prompt': p.sharpen_prompt, 'windows': p.sharpen_windows}
+        return self.kept_weights(key, make)
 
-        self.part('graft_before', {'heads': graft['heads'], 'domain': 'A'}, before)
-        self.part('graft_drifted', {**graft, 'domain': 'A'}, drifted)
-        for loss in depth_one_losses():
-            lr = self.best_lr('heal', loss, p.heal_lr_grid, p.heal_steps, graft, self.heal_arm)
-            for seed in seeds:
-                key = {**graft, 'loss': loss, 'lr': lr, 'seed': seed, 'steps': p.heal_steps}
-                self.part(f'heal_{loss}_s{seed}', key, lambda loss=loss, lr=lr, seed=seed:
-                          self.heal_arm(loss, lr, seed, p.heal_steps, final=True)[0])
-        for name, domain in (('sft', 'A'), ('sft', 'B'), ('original', 'A')):
-            self.release(name, domain)
+    def fine_tune(self, model, steps: int, seed: int, check=None) -> Dict:
+        """``steps`` steps of full fine-tuning (the MTP loss too, if the model has heads) on the
+        sharpening data, batch 1, constant rate after warm-up; ``check(model, step)`` every
+        ``sharpen_check_every`` steps may stop it (returns True). Returns the curve."""
+        from cpu_demo_lib import model as M
+        from mtp_tv_dev.models import forward_loss
 
-    def joint_arm(self, loss: str) -> Dict:
-        """The SFT of :meth:`fine_tune` with the official head attached and trained together
-        with the backbone (``mtp_detach_heads=False``, Megatron's MTP loss scale)."""
+        p = self.preset
+        data = self.sharpen_data()
+        windows, mask = data['windows'], data['mask'].unsqueeze(0)
+        order = window_order(windows.shape[0], steps, 1, seed)
+        params = M.set_trainable(model, 'all')
+        optimizer = make_optimizer(params, p.sharpen_lr)
+        curve = {'step': [], 'main_loss': [], 'mtp_loss': [], 'checks': []}
+        for step in range(1, steps + 1):
+            block = windows[order[step - 1]]
+            model.train()
+            loss = forward_loss(model, block[:, :-1], block[:, 1:], mask)
+            main = (loss * mask).sum() / mask.sum()
+            optimizer.zero_grad(set_to_none=True)
+            main.backward()
+            set_lr(optimizer, p.sharpen_lr, step, p.warmup)
+            optimizer.step()
+            losses = M.mtp_tracker_losses()
+            curve['step'].append(step)
+            curve['main_loss'].append(float(main.detach()))
+            curve['mtp_loss'].append(None if losses is None else float(losses.mean()))
+            if check is not None and step % p.sharpen_check_every == 0:
+                result = check(model, step)
+                curve['checks'].append({'step': step, **result})
+                if result.get('stop'):
+                    break
+        return curve
+
+    def drift_key(self) -> Dict:
+        p = self.preset
+        return {'backbone': 'moved', 'heads': self.official_key(), 'data': 'sharpen',
+                'temperature': p.sharpen_temperature, 'lr': p.sharpen_lr,
+                'max_steps': p.sharpen_max_steps, 'target': p.drift_target, 'seed': 41}
+
+    def head_alpha(self, backbone_state: Dict, windows) -> Dict:
+        """The official head's validation summary on ``backbone_state`` (states recomputed)."""
         from smollm2_lib import evaluate as E
         from smollm2_lib import heads as H
 
+        model = self.build(None, 'ce', backbone=backbone_state)
+        states = H.cache_states(model, windows, 4, 'moving backbone: validation windows')
+        data = E.TeacherForcedSet.build('check', model, windows, states, self.preset.context)
+        heads_model = self.build(1, 'ce', backbone=backbone_state, heads=self.official())
+        return self.validation_summary(heads_model, data)
+
+    def moved_backbone(self) -> Dict:
+        """Part ``drift_sharpen``: the original backbone fine-tuned on its own samples until the
+        official head's alpha on the curve windows fell by ``drift_target``; returns it."""
         p = self.preset
-        name = f'joint_{loss}'
-        model = self.build(1, loss, joint=True, backbone=self.original, heads=self.official)
+        key = self.drift_key()
 
-        def validation(m):  # the backbone moves: its validation states are recomputed
-            windows = self.domains['A'].validation[: p.validation_windows, : 2 * p.context]
-            states = H.cache_states(m, windows, 4, f'{name}: validation windows')
-            data = E.TeacherForcedSet.build('validation', m, windows, states, p.context)
-            return self.validation_summary(m, data, 1)
+        def move() -> Tuple[Dict, Dict]:
+            windows = self.code.validation[: p.curve_windows, : 2 * p.context]
+            before = self.head_alpha(self.backbones['original'], windows)
+            target = before['sampled']['alpha'][0] - p.drift_target
+            model = self.build(None, 'ce', backbone=self.backbones['original'])
 
-        curve = self.train_full(model, 'A', p.joint_steps, p.sft_lr, seed=41,
-                                validation=validation)
-        backbone = self.backbone_of(model)
-        sets = self.backbone_sets(name, backbone, 'A', ('tf_test', 'prompts'))
-        record = {'scenario': 'joint', 'loss': loss, 'lr': p.sft_lr, 'steps': p.joint_steps,
-                  'depths': 1, 'mtp_loss_scaling_factor': p.joint_mtp_scale, 'curve': curve,
-                  'final': self.final_eval(model, sets, 1),
-                  'main_model': self.main_losses(name, backbone)}
-        for key in [k for k in self.sets if k[0] == name]:
-            del self.sets[key]  # this backbone is not seen again
-        return record
+            def check(m, step):
+                state = self.backbone_of(m)
+                now = self.head_alpha(state, windows)
+                alpha = now['sampled']['alpha'][0]
+                self.log(f'drift: step {step}, official head alpha {alpha:.4f} '
+                         f'(from {before["sampled"]["alpha"][0]:.4f}; target {target:.4f})')
+                self.build(None, 'ce', backbone=state)  # the training model, restored
+                return {'alpha': alpha, 'stop': alpha <= target}
 
-    def run_joint(self, lrs: Dict[str, float]) -> None:
+            curve = self.fine_tune(model, p.sharpen_max_steps, seed=41, check=check)
+            state = self.backbone_of(model)
+            record = {'scenario': 'drift', 'steps': curve['step'][-1], 'lr': p.sharpen_lr,
+                      'curve': curve, 'head_before': before,
+                      'target_reached': bool(curve['checks'] and curve['checks'][-1]['stop'])}
+            return record, state
+
+        result = {}
+
+        def run():
+            record, state = move()
+            result['state'] = state
+            return record
+
+        record = self.part('drift_sharpen', key, run)
+        self.drift_steps = record['steps']
+        state = self.kept_weights(key, lambda: result.get('state') or move()[1])
+        self.backbones['moved'] = state
+        return state
+
+    def run_drift(self) -> None:
         p = self.preset
-        self.official = self.official_head(lrs)
-        for loss in ('ce', 'tv'):
-            key = {'heads': self.official_key(lrs), 'backbone': 'joint', 'domain': 'A',
-                   'loss': loss, 'steps': p.joint_steps, 'lr': p.sft_lr, 'seed': 41,
-                   'mtp_loss_scaling_factor': p.joint_mtp_scale}
-            self.part(f'joint_{loss}', key, lambda loss=loss: self.joint_arm(loss))
+        self.moved_backbone()
+        for name, backbone in (('drift_before', 'original'), ('drift_after', 'moved')):
+            def score(backbone=backbone):
+                sets = self.eval_sets(backbone, ('validation', 'tf_test', 'tf_continuation',
+                                                 'prompts'))
+                model = self.build(1, 'ce', backbone=self.backbones[backbone],
+                                   heads=self.official())
+                return {'scenario': 'drift', 'backbone': backbone, 'loss': None, 'depths': 1,
+                        'curve_validation': self.validation_summary(model, sets.curve),
+                        'validation': self.validation_summary(model, sets.validation),
+                        'final': self.final_eval(model, sets),
+                        'main_model': self.main_model_loss(backbone, sets.tf_test)}
+
+            self.part(name, {'heads': self.official_key(), 'backbone': backbone,
+                             **({'drift': self.drift_key()} if backbone == 'moved' else {})},
+                      score)
+        self.release('original')
+        self.run_losses('heal', p.heal_steps, p.heal_lr_grid)
+
+    # ------------------------------------------------------------------ joint
+
+    def run_joint(self) -> None:
+        """The drift's fine-tuning, for as many steps, with the official head attached and
+        trained together with the backbone, every loss."""
+        p = self.preset
+        if 'moved' not in self.backbones:
+            self.moved_backbone()
+        for loss in depth_one_losses():
+            for seed in p.joint_seeds:
+                name = f'joint_{loss}_s{seed}'
+
+                def run(loss=loss, seed=seed, name=name):
+                    model = self.build(1, loss, joint=True, backbone=self.backbones['original'],
+                                       heads=self.official())
+                    curve = self.fine_tune(model, self.drift_steps, seed=41 + seed)
+                    self.backbones[name] = self.backbone_of(model)
+                    heads = self.heads_of(model)
+                    sets = self.eval_sets(name, ('tf_test', 'tf_continuation', 'prompts'))
+                    model = self.build(1, loss, joint=True, backbone=self.backbones[name],
+                                       heads=heads)
+                    record = {'scenario': 'joint', 'loss': loss, 'seed': seed, 'lr': p.sharpen_lr,
+                              'steps': self.drift_steps, 'depths': 1,
+                              'mtp_loss_scaling_factor': p.joint_mtp_scale, 'curve': curve,
+                              'final': self.final_eval(model, sets),
+                              'main_model': self.main_model_loss(name, sets.tf_test)}
+                    self.release(name)
+                    del self.backbones[name]
+                    return record
+
+                self.part(name, {'heads': self.official_key(), 'drift': self.drift_key(),
+                                 'loss': loss, 'seed': seed, 'steps': self.drift_steps,
+                                 'mtp_loss_scaling_factor': p.joint_mtp_scale}, run)
+
+    # ------------------------------------------------------------------ scoring
+
+    def validation_summary(self, model, data) -> Dict:
+        from smollm2_lib import evaluate as E
+
+        tf = E.teacher_forced(model, data, 1, self.preset.serving_temperature)
+        return {mode: {'accepted': tf[mode]['accepted']['mean'],
+                       'alpha': [a['mean'] for a in tf[mode]['alpha']]}
+                for mode in (E.SAMPLED, E.GREEDY)}
+
+    def final_eval(self, model, sets: EvalSets, seed: int = 29) -> Dict:
+        """Teacher-forced on test text and on the backbone's own continuations, speculative
+        decoding at T=1 and greedy on the test prompts (common random numbers: ``seed``)."""
+        from smollm2_lib import evaluate as E
+
+        p = self.preset
+        out = {'tf_test': E.teacher_forced(model, sets.tf_test, 1, p.serving_temperature),
+               'tf_continuation': E.teacher_forced(model, sets.tf_continuation, 1,
+                                                   p.serving_temperature)}
+        for key, temperature in (('spec_sampled', 1.0), ('spec_greedy', 0.0)):
+            out[key] = E.speculative_decoding(model, sets.prompts, 1, p.spec_rounds,
+                                              temperature, seed)
+        return out
+
+    def main_model_loss(self, backbone: str, data) -> Dict:
+        """The main model's held-out NLL per token on ``data``'s windows (context >= t0 + 1),
+        ``data`` being ``backbone``'s states."""
+        from smollm2_lib.evaluate import mean_and_se
+
+        model = self.build(None, 'ce', backbone=self.backbones[backbone])
+        per_window = []
+        for start in range(0, data.windows.shape[0], 4):
+            z = data.target_logits(model, start, start + 4)[:-1]  # predict t0+2 .. S-1
+            labels = data.windows[start : start + 4, data.t0 + 2 :].transpose(0, 1)
+            nll = torch.nn.functional.cross_entropy(z.reshape(-1, z.shape[-1]),
+                                                    labels.reshape(-1), reduction='none')
+            per_window.append(nll.view(labels.shape).mean(0))
+        per_window = torch.cat(per_window)
+        return {'nll': mean_and_se(per_window), 'per_window': per_window.tolist()}
+
+    # ------------------------------------------------------------------ all
 
     def run(self) -> Dict[str, Dict]:
-        """The scenarios in order of what they decide (a run cut short has the first ones);
-        each frees the evaluation sets the next ones do not read."""
-        scenarios, seeds = self.preset.scenarios, self.preset.seeds
-        lrs = self.run_cold() if 'cold' in scenarios else {}
-        self.release('original', 'B', keep=('tf_test', 'train_states'))  # read by sft, chain
-        # Healing starts every seed from the same grafted head (a seed orders the windows): its
-        # first seed runs with the other scenarios, its further seeds last.
-        if 'graft' in scenarios:
-            self.run_graft(lrs, seeds[:1])
+        """The scenarios in order of what they decide; each frees the sets the next ones do
+        not read."""
+        scenarios = self.preset.scenarios
+        self.run_cold()  # every scenario starts from the cold start's official head
+        if 'drift' in scenarios:
+            self.run_drift()
         if 'joint' in scenarios:
-            self.run_joint(lrs)
-        if 'chain' in scenarios:
-            self.run_chain(lrs)
-        if 'graft' in scenarios and len(seeds) > 1:
-            self.run_graft(lrs, seeds[1:])
+            self.run_joint()
         return self.store.all()

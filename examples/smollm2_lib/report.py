@@ -1,15 +1,19 @@
-"""The SmolLM2 experiment's report: tables, paired differences, the ranking and the plot.
+"""The SmolLM2 experiment's report: tables per seed, paired differences, rate sensitivity, curves.
 
 Everything here is read from the stored parts (``experiment.Store``), so ``--report-only``
 rebuilds it without training. Conventions:
 
 * *tokens per verify step* is one more than the accepted drafts (the bonus or residual token is
-  always emitted); both are measured by speculative decoding on the test prompts;
-* a difference between two arms is paired over the same prompts (speculative, common random
-  numbers) or windows (teacher-forced): per prompt, the mean over seeds of ``a_s - b_s``; its
-  standard error is over prompts. A difference is *resolved* when it is at least 2 standard
-  errors from 0, otherwise the report says "not resolved";
-* the gain over ``'ce'`` in percent is the difference divided by ``'ce'``'s tokens per step.
+  always emitted), measured by speculative decoding on the test prompts; *counted* is the
+  number of accepted drafts, *Rao-Blackwell* its expectation given each step's drafts (the same
+  mean, a smaller variance; ``mtp_tv_dev.speculative.rao_blackwell_accepted``);
+* **seeds are the unit of variance.** A difference between two losses is paired per seed (the
+  same seed orders the same windows and, from a cold start, draws the same initial heads) and,
+  within a seed, over the same prompts with common random numbers. It is *resolved* when every
+  seed's paired difference has the same sign and the mean over seeds exceeds
+  ``RESOLVED_AT`` standard errors computed across seeds, and as many of the prompt-level
+  standard error; otherwise the report says "not resolved";
+* the gain over ``'ce'`` in percent is the mean difference over ``'ce'``'s tokens per step.
 """
 
 import json
@@ -19,199 +23,271 @@ from typing import Dict, List, Optional, Sequence
 
 from cpu_demo_lib.report import pyplot, save_figure
 
-from .experiment import Preset, Store, chain_losses, depth_one_losses
+from .experiment import Preset, Store, depth_one_losses, point_at
 
 RESOLVED_AT = 2.0  # standard errors
 MODES = {'T=1': 'spec_sampled', 'greedy': 'spec_greedy'}
+ESTIMATORS = {'counted': 'per_prompt', 'rao_blackwell': 'per_prompt_rao_blackwell'}
 COLORS = {'ce': '#1f77b4', 'tv': '#d62728', 'e2e_tv': '#2ca02c', 'kl': '#9467bd',
           'lk': '#ff7f0e', 'nla': '#8c564b'}
 
 
-def _stats(values: Sequence[float]) -> Dict:
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _se(values: Sequence[float]) -> float:
+    """Standard error of the mean (nan for fewer than two values)."""
     n = len(values)
-    mean = sum(values) / n
-    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else float('nan')
-    return {'mean': mean, 'se': math.sqrt(var / n), 'n': n}
+    if n < 2:
+        return float('nan')
+    mean = _mean(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
 
-def per_unit(records: List[Dict], path: Sequence[str]) -> List[float]:
-    """Per prompt (or window), the mean over ``records`` (seeds) of the values at ``path``."""
-    series = []
+def seed_difference(a: Dict[int, List[float]], b: Dict[int, List[float]]) -> Dict:
+    """``a - b``: per seed the paired mean over units (prompts or windows) and its standard
+    error, then the mean over seeds with both standard errors, and the verdict."""
+    seeds = sorted(set(a) & set(b))
+    per_seed, unit_se = [], []
+    for s in seeds:
+        diffs = [x - y for x, y in zip(a[s], b[s])]
+        per_seed.append(_mean(diffs))
+        unit_se.append(_se(diffs))
+    if not seeds:
+        return {}
+    mean = _mean(per_seed)
+    se_seeds = _se(per_seed)
+    se_units = math.sqrt(sum(se ** 2 for se in unit_se)) / len(seeds)
+    same_sign = all(d > 0 for d in per_seed) or all(d < 0 for d in per_seed)
+    resolved = bool(same_sign and len(seeds) > 1 and abs(mean) > RESOLVED_AT * se_seeds
+                    and abs(mean) > RESOLVED_AT * se_units)
+    return {'seeds': seeds, 'per_seed': per_seed, 'mean': mean, 'se_seeds': se_seeds,
+            'se_units': se_units, 'resolved': resolved}
+
+
+def _units(records: List[Dict], path: Sequence[str]) -> Dict[int, List[float]]:
+    """Per seed, the per-unit values at ``path`` under ``record['final']``."""
+    out = {}
     for record in records:
         node = record['final']
         for key in path:
             node = node[key]
-        series.append(node)
-    return [sum(vals) / len(vals) for vals in zip(*series)]
-
-
-def measure(records: List[Dict], path: Sequence[str], offset: float = 0.0) -> Dict:
-    values = per_unit(records, path)
-    out = _stats(values)
-    out['mean'] += offset
+        out[record['seed']] = node
     return out
 
 
-def pooled(stats: List[Dict]) -> Dict:
-    """The mean over seeds of per-seed means, with their standard errors combined."""
-    return {'mean': sum(s['mean'] for s in stats) / len(stats),
-            'se': math.sqrt(sum(s['se'] ** 2 for s in stats)) / len(stats)}
+def _over_seeds(values: Sequence[float]) -> Dict:
+    return {'mean': _mean(values), 'se': _se(values), 'n': len(values)}
 
 
-def paired(a: List[Dict], b: List[Dict], path: Sequence[str]) -> Dict:
-    """``a - b`` paired per unit, each side averaged over its seeds (the same seeds)."""
-    return difference(per_unit(a, path), per_unit(b, path))
-
-
-def difference(a: List[float], b: List[float]) -> Dict:
-    """Mean and SE of ``a - b`` over the same units, and whether it is resolved."""
-    out = _stats([x - y for x, y in zip(a, b)])
-    out['resolved'] = bool(out['se'] > 0 and abs(out['mean']) >= RESOLVED_AT * out['se'])
-    return out
-
-
-def fmt(stat: Optional[Dict], digits: int = 3, signed: bool = False) -> str:
-    if not stat or stat.get('mean') is None or math.isnan(stat['mean']):
-        return ''
-    sign = '+' if signed and stat['mean'] >= 0 else ''
-    return f"{sign}{stat['mean']:.{digits}f}±{stat['se']:.{digits}f}"
-
-
-def _spec(mode: str) -> List[str]:
-    return [MODES[mode], 'per_prompt']
-
-
-def arm_row(label: str, records: List[Dict], baseline: Optional[List[Dict]],
-            gamma: int = 1) -> Dict:
-    """One table row: tokens per step (both modes), teacher-forced alpha, and the paired
-    difference from ``baseline`` (absolute and in percent of the baseline)."""
-    row = {'label': label, 'seeds': [r.get('seed') for r in records],
-           'lr': records[0].get('lr')}
-    final = records[0]['final']
-    for mode in MODES:
-        if MODES[mode] not in final:
-            continue
-        row[f'tokens {mode}'] = measure(records, _spec(mode), offset=1.0)
-        row[f'per seed {mode}'] = [measure([r], _spec(mode), offset=1.0)['mean']
-                                   for r in records]
-        if baseline is not None:
-            diff = paired(records, baseline, _spec(mode))
-            base = measure(baseline, _spec(mode), offset=1.0)['mean']
-            row[f'vs {mode}'] = diff
-            row[f'gain% {mode}'] = {'mean': 100 * diff['mean'] / base,
-                                    'se': 100 * diff['se'] / base}
+def arm_row(loss: str, records: List[Dict], baseline: Optional[List[Dict]]) -> Dict:
+    """One table row: tokens per step per seed (both modes, both estimators), teacher-forced
+    alpha, and the paired difference from ``baseline``."""
+    row = {'label': loss, 'seeds': [r['seed'] for r in records], 'lr': records[0].get('lr'),
+           'steps': records[0].get('steps')}
+    for mode, spec in MODES.items():
+        for estimator, key in ESTIMATORS.items():
+            units = _units(records, [spec, key])
+            per_seed = [1.0 + _mean(units[s]) for s in sorted(units)]
+            row[f'tokens {mode} {estimator}'] = _over_seeds(per_seed)
+            row[f'per seed {mode} {estimator}'] = per_seed
+            if baseline:
+                diff = seed_difference(units, _units(baseline, [spec, key]))
+                base = _mean([1.0 + _mean(v) for v in _units(baseline, [spec, key]).values()])
+                row[f'vs {mode} {estimator}'] = diff
+                row[f'gain% {mode} {estimator}'] = 100 * diff['mean'] / base
     for key, name in (('tf_test', 'text'), ('tf_continuation', 'continuations')):
-        if key in final:
-            row[f'TF alpha {name}'] = [pooled([r['final'][key]['sampled']['alpha'][k]
-                                               for r in records]) for k in range(gamma)]
-            row[f'TF accepted {name}'] = measure(records, [key, 'sampled', 'per_window'])
-            row[f'TF greedy agreement {name}'] = measure(records, [key, 'greedy', 'per_window'])
+        row[f'TF alpha {name}'] = _over_seeds([r['final'][key]['sampled']['alpha'][0]['mean']
+                                               for r in records])
     return row
 
 
-def _group(parts: Dict[str, Dict], prefix: str, loss: str, seeds: Sequence[int]) -> List[Dict]:
-    return [parts[f'{prefix}_{loss}_s{s}'] for s in seeds if f'{prefix}_{loss}_s{s}' in parts]
+def _arm_name(scenario: str, test: Dict) -> str:
+    """The training part of a test part (``experiment.HeadsArm.name``)."""
+    return f"{scenario}_{test['loss']}_lr{test['lr']:g}_n{test['steps']}_s{test['seed']}"
 
 
-def scenario_rows(parts: Dict[str, Dict], prefix: str, seeds: Sequence[int],
-                  extra: Sequence[str] = ()) -> List[Dict]:
-    """Rows of the cold or heal scenario: the ``extra`` reference parts, then every loss."""
-    baseline = _group(parts, prefix, 'ce', seeds)
-    rows = [arm_row(name, [parts[name]], None) for name in extra
-            if name in parts and 'spec_sampled' in parts[name]['final']]
+def _tests(parts: Dict[str, Dict], scenario: str, loss: str, seeds: Sequence[int]) -> List[Dict]:
+    names = [f'test_{scenario}_{loss}_s{s}' for s in seeds]
+    return [parts[n] for n in names if n in parts]
+
+
+def headline_rows(parts: Dict[str, Dict], scenario: str, seeds: Sequence[int]) -> List[Dict]:
+    """Every loss's test results at its chosen rate, ``'ce'`` first (the baseline)."""
+    baseline = _tests(parts, scenario, 'ce', seeds)
+    rows = []
     for loss in depth_one_losses():
-        records = _group(parts, prefix, loss, seeds)
+        records = _tests(parts, scenario, loss, seeds)
         if records:
-            common = [r for r in baseline if r['seed'] in {x['seed'] for x in records}]
-            rows.append(arm_row(loss, records, common if loss != 'ce' and common else None))
+            rows.append(arm_row(loss, records, baseline if loss != 'ce' else None))
     return rows
 
 
-def ranking(parts: Dict[str, Dict], prefix: str, seeds: Sequence[int]) -> Dict:
-    """The order of the losses by validation accepted drafts (mean over seeds) at every curve
-    point of the last third of training, and whether it stayed the same."""
-    curves = {}
+def sensitivity(parts: Dict[str, Dict], scenario: str, seed: int) -> Dict[str, Dict]:
+    """Per loss: whole-validation accepted drafts (T=1) at the last step for every rate of the
+    grid on ``seed`` (at the largest budget that arm ran), the best rate, the rate the curve
+    windows would have picked at a third of the budget, and each arm's plateau gain."""
+    out = {}
     for loss in depth_one_losses():
-        records = _group(parts, prefix, loss, seeds)
-        if records:
-            points = [r['curve']['validation'] for r in records]
-            curves[loss] = {p['step']: sum(x[i]['sampled']['accepted'] for x in points) / len(points)
-                            for i, p in enumerate(points[0])}
-    if not curves:
+        arms = [r for n, r in parts.items() if n.startswith(f'{scenario}_{loss}_lr')
+                and r.get('seed') == seed and 'curve' in r]
+        if not arms:
+            continue
+        steps = max(r['steps'] for r in arms)
+        arms = [r for r in arms if r['steps'] == steps]
+        score = {r['lr']: r['validation']['sampled']['accepted'] for r in arms}
+        third = {r['lr']: point_at(r['curve']['validation'], steps / 3)['sampled']['accepted']
+                 for r in arms}
+        out[loss] = {'steps': steps, 'score': dict(sorted(score.items())),
+                     'best': max(score, key=score.get), 'best_at_third': max(third, key=third.get),
+                     'plateau_gain': {r['lr']: r['plateau_gain'] for r in arms},
+                     'spread': max(score.values()) - min(score.values())}
+    return out
+
+
+def recovery(parts: Dict[str, Dict], seeds: Sequence[int]) -> Dict[str, List]:
+    """Per loss (at its chosen rate), per seed: the first curve step at which the healed head's
+    alpha (curve windows, T=1) is back at the official head's alpha on the original model
+    (None: not within the budget)."""
+    before = parts.get('drift_before')
+    if before is None:
         return {}
-    steps = sorted(next(iter(curves.values())))
-    last_third = [s for s in steps if s >= steps[-1] * 2 / 3]
-    orders = {s: sorted(curves, key=lambda loss: -curves[loss][s]) for s in last_third}
-    first = next(iter(orders.values()))
-    held = 0  # the longest leading run of the order that every point shares
-    while held < len(first) and all(o[held] == first[held] for o in orders.values()):
-        held += 1
-    return {'steps': last_third, 'orders': orders, 'stable': held == len(first),
-            'stable_top': first[:held]}
+    goal = before['curve_validation']['sampled']['alpha'][0]
+    out = {}
+    for loss in depth_one_losses():
+        tests = _tests(parts, 'heal', loss, seeds)
+        steps = []
+        for t in tests:
+            arm = parts.get(_arm_name('heal', t))
+            if arm is None:
+                continue
+            hit = [p['step'] for p in arm['curve']['validation']
+                   if p['sampled']['alpha'][0] >= goal]
+            steps.append(hit[0] if hit else None)
+        if steps:
+            out[loss] = steps
+    return out
+
+
+def drift_summary(parts: Dict[str, Dict]) -> Dict:
+    if not {'drift_before', 'drift_after', 'drift_sharpen'} <= set(parts):
+        return {}
+    before, after, move = parts['drift_before'], parts['drift_after'], parts['drift_sharpen']
+
+    def alpha(record, where):
+        node = record[where] if where in ('validation', 'curve_validation') else \
+            record['final'][where]
+        a = node['sampled']['alpha'][0]
+        return a['mean'] if isinstance(a, dict) else a
+
+    out = {'steps': move['steps'], 'lr': move['lr'], 'target_reached': move['target_reached']}
+    for where in ('curve_validation', 'validation', 'tf_test', 'tf_continuation'):
+        out[where] = {'before': alpha(before, where), 'after': alpha(after, where)}
+        out[where]['drop'] = out[where]['before'] - out[where]['after']
+    for mode, spec in MODES.items():
+        out[f'tokens {mode}'] = {k: 1 + r['final'][spec]['accepted']['mean']
+                                 for k, r in (('before', before), ('after', after))}
+    out['main_model_nll'] = {k: r['main_model']['nll'] for k, r in (('before', before),
+                                                                     ('after', after))}
+    return out
+
+
+def joint_rows(parts: Dict[str, Dict], seeds: Sequence[int]) -> List[Dict]:
+    def records(loss):
+        return [parts[f'joint_{loss}_s{s}'] for s in seeds if f'joint_{loss}_s{s}' in parts]
+
+    rows = []
+    moved = parts.get('drift_after')
+    for loss in depth_one_losses():
+        recs = records(loss)
+        if not recs:
+            continue
+        row = arm_row(loss, recs, records('ce') if loss != 'ce' else None)
+        row['main_model_nll'] = _over_seeds([r['main_model']['nll']['mean'] for r in recs])
+        if moved is not None:
+            # the same fine-tuning without heads, window by window (one run: no seed to pair)
+            row['main_model_vs_no_heads'] = seed_difference(
+                {r['seed']: r['main_model']['per_window'] for r in recs},
+                {r['seed']: moved['main_model']['per_window'] for r in recs})
+        rows.append(row)
+    return rows
 
 
 def summarize(parts: Dict[str, Dict], preset: Preset) -> Dict:
     seeds = preset.seeds
-    out: Dict = {'preset': preset.name, 'common': preset.common(), 'parts': sorted(parts),
-                 'compute_s': sum(p.get('wall_s', 0) for p in parts.values()),
-                 'cpu_s': sum(p.get('cpu_s', 0) for p in parts.values())}
-    out['cold'] = scenario_rows(parts, 'cold', seeds, extra=('cold_init',))
-    out['cold_ranking'] = ranking(parts, 'cold', seeds)
-    out['heal'] = scenario_rows(parts, 'heal', seeds, extra=('graft_drifted',))
-    out['heal_ranking'] = ranking(parts, 'heal', seeds)
-    if 'graft_before' in parts and 'graft_drifted' in parts:
-        before, after = parts['graft_before']['final'], parts['graft_drifted']['final']
-        out['drift'] = {'alpha_before': before['tf_test']['sampled']['alpha'][0],
-                        'alpha_after': after['tf_test']['sampled']['alpha'][0],
-                        'difference': paired([parts['graft_drifted']], [parts['graft_before']],
-                                             ['tf_test', 'sampled', 'per_window'])}
-    if 'sft' in parts:
-        out['sft'] = {'main_model_before': parts['sft']['main_model_before'],
-                      'main_model': parts['sft']['main_model']}
-    joint = [parts[f'joint_{x}'] for x in ('ce', 'tv') if f'joint_{x}' in parts]
-    out['joint'] = []
-    for record in joint:
-        row = arm_row(record['loss'], [record], None if record['loss'] == 'ce' else
-                      [parts['joint_ce']] if 'joint_ce' in parts else None)
-        row['main_model'] = {d: record['main_model'][d]['nll'] for d in ('A', 'B')}
-        if 'sft' in parts:
-            row['main_model_vs_sft'] = {d: difference(record['main_model'][d]['per_window'],
-                                                        parts['sft']['main_model'][d]['per_window'])
-                                        for d in ('A', 'B')}
-        out['joint'].append(row)
-    chain = [parts[f'chain_{x}'] for x in dict.fromkeys(chain_losses() + depth_one_losses())
-             if f'chain_{x}' in parts]
-    base = parts.get('chain_tv')
-    out['chain'] = [arm_row(r['loss'], [r], None if r is base or base is None else [base],
-                            gamma=r['depths']) for r in chain]
-    out['sweeps'] = {kind: {name[len(f'sweep_{kind}_'):]: p['curve']['validation'][-1]['sampled']
-                            ['accepted'] for name, p in parts.items()
-                            if name.startswith(f'sweep_{kind}_')} for kind in ('cold', 'heal')}
-    return out
+    return {
+        'preset': preset.name, 'common': preset.common(), 'parts': sorted(parts),
+        'compute_s': sum(p.get('wall_s', 0) for p in parts.values()),
+        'cpu_s': sum(p.get('cpu_s', 0) for p in parts.values()),
+        'cold': headline_rows(parts, 'cold', seeds),
+        'cold_sensitivity': sensitivity(parts, 'cold', seeds[0]),
+        'cold_init': parts.get('cold_init', {}).get('validation'),
+        'drift': drift_summary(parts),
+        'heal': headline_rows(parts, 'heal', seeds),
+        'heal_sensitivity': sensitivity(parts, 'heal', seeds[0]),
+        'heal_recovery': recovery(parts, seeds),
+        'joint': joint_rows(parts, preset.joint_seeds),
+    }
 
 
-def _verdict(stat: Optional[Dict]) -> str:
-    if not stat:
+def fmt(stat: Optional[Dict], digits: int = 3, signed: bool = False, se: str = 'se') -> str:
+    if not stat or stat.get('mean') is None or math.isnan(stat['mean']):
         return ''
-    return 'resolved' if stat['resolved'] else 'not resolved'
+    sign = '+' if signed and stat['mean'] >= 0 else ''
+    spread = stat.get(se, float('nan'))
+    tail = '' if spread is None or math.isnan(spread) else f'±{spread:.{digits}f}'
+    return f"{sign}{stat['mean']:.{digits}f}{tail}"
 
 
-def table(rows: List[Dict], gamma: int = 1) -> str:
-    """Markdown: tokens per step and the paired gain over the baseline, both modes, and the
-    teacher-forced acceptance."""
-    head = ['arm', 'lr', 'tokens/step T=1', 'per seed', 'vs ce T=1', 'gain % T=1', '',
-            'tokens/step greedy', 'vs ce greedy', '', 'TF alpha text', 'TF alpha continuations']
+def _verdict(diff: Optional[Dict]) -> str:
+    if not diff:
+        return ''
+    return 'resolved' if diff['resolved'] else 'not resolved'
+
+
+def _diff_cell(row: Dict, mode: str, estimator: str) -> str:
+    diff = row.get(f'vs {mode} {estimator}')
+    if not diff:
+        return ''
+    per_seed = ', '.join(f'{d:+.3f}' for d in diff['per_seed'])
+    return (f"{diff['mean']:+.3f} (seeds ±{diff['se_seeds']:.3f}, prompts ±{diff['se_units']:.3f};"
+            f" per seed {per_seed}) {row[f'gain% {mode} {estimator}']:+.1f}% "
+            f"{_verdict(diff)}")
+
+
+def table(rows: List[Dict], baseline: str = 'ce') -> str:
+    """Markdown: tokens per step per seed and the paired difference from the baseline, both
+    modes (counted), the Rao-Blackwell difference at T=1, and teacher-forced alpha."""
+    head = ['loss', 'lr', 'tokens/step T=1 (per seed)', f'vs {baseline} T=1',
+            f'vs {baseline} T=1, Rao-Blackwell', 'tokens/step greedy (per seed)',
+            f'vs {baseline} greedy', 'TF alpha text', 'TF alpha continuations']
     lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
     for r in rows:
-        alpha = lambda key: ' / '.join(fmt(a) for a in r.get(key, []))  # noqa: E731
-        cells = [r['label'], '' if r.get('lr') is None else f"{r['lr']:g}",
-                 fmt(r.get('tokens T=1')),
-                 ' / '.join(f'{x:.3f}' for x in r.get('per seed T=1', [])),
-                 fmt(r.get('vs T=1'), signed=True),
-                 fmt(r.get('gain% T=1'), 1, signed=True), _verdict(r.get('vs T=1')),
-                 fmt(r.get('tokens greedy')), fmt(r.get('vs greedy'), signed=True),
-                 _verdict(r.get('vs greedy')), alpha('TF alpha text'),
-                 alpha('TF alpha continuations')]
+        seeds = lambda mode: ' / '.join(f'{x:.3f}' for x in r[f'per seed {mode} counted'])  # noqa
+        cells = [f"`{r['label']}`", '' if r.get('lr') is None else f"{r['lr']:g}",
+                 f"{fmt(r['tokens T=1 counted'])} ({seeds('T=1')})",
+                 _diff_cell(r, 'T=1', 'counted'), _diff_cell(r, 'T=1', 'rao_blackwell'),
+                 f"{fmt(r['tokens greedy counted'])} ({seeds('greedy')})",
+                 _diff_cell(r, 'greedy', 'counted'), fmt(r['TF alpha text']),
+                 fmt(r['TF alpha continuations'])]
+        lines.append('| ' + ' | '.join(cells) + ' |')
+    return '\n'.join(lines)
+
+
+def sensitivity_table(sens: Dict[str, Dict]) -> str:
+    rates = sorted({lr for s in sens.values() for lr in s['score']})
+    head = ['loss', 'steps'] + [f'lr {lr:g}' for lr in rates] + [
+        'best', 'best at a third (curve)', 'spread', 'plateau gain at best']
+    lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+    for loss, s in sens.items():
+        cells = [f'`{loss}`', str(s['steps'])]
+        for lr in rates:
+            v = s['score'].get(lr)
+            cell = '' if v is None else f'{v:.3f}'
+            cells.append(f'**{cell}**' if lr == s['best'] and cell else cell)
+        cells += [f"{s['best']:g}", f"{s['best_at_third']:g}", f"{s['spread']:.3f}",
+                  f"{100 * s['plateau_gain'][s['best']]:+.1f}%"]
         lines.append('| ' + ' | '.join(cells) + ' |')
     return '\n'.join(lines)
 
@@ -220,89 +296,99 @@ def render(summary: Dict, preset: Preset) -> str:
     out = [f"# SmolLM2-135M: MTP heads per loss (preset `{preset.name}`)", '',
            f"Parts: {len(summary['parts'])}; compute in the parts: "
            f"{summary['compute_s'] / 60:.0f} min wall, {summary['cpu_s'] / 60:.0f} CPU-min "
-           f"(each part's `wall_s`, `cpu_s`, `load_average`). "
-           f"Tokens per verify step = 1 + accepted drafts, "
-           f"speculative decoding on {preset.spec_prompts} test prompts x {preset.spec_rounds} "
-           f"verify steps; +- one standard error over prompts; differences paired, "
-           f"'resolved' at >= {RESOLVED_AT:g} SE.", '']
+           f"(each part's `wall_s`, `cpu_s`, `load_average`). Tokens per verify step = 1 + "
+           f"accepted drafts, speculative decoding on {preset.spec_prompts} test prompts x "
+           f"{preset.spec_rounds} verify steps, per seed; differences paired per seed and over "
+           f"prompts; 'resolved': every seed's difference of one sign and the mean beyond "
+           f"{RESOLVED_AT:g} standard errors across seeds and {RESOLVED_AT:g} prompt-level ones.",
+           '']
+    if summary['cold_sensitivity']:
+        out += ['## Cold start: fresh one-depth heads on the pretrained model, code', '',
+                f'Learning rates, seed {preset.seeds[0]}: whole-validation accepted drafts at '
+                f'T=1 at the last step (best in bold); the rate the curve windows would pick at a '
+                f'third of the budget; the best arm\'s gain over the last quarter (plateau: '
+                f'under {100 * preset.plateau_gain:g}%).', '',
+                sensitivity_table(summary['cold_sensitivity']), '']
     if summary['cold']:
-        out += ['## Cold start: fresh heads, one depth, English docs', '',
-                table(summary['cold']), '', _ranking_text(summary['cold_ranking']), '']
-    if summary.get('drift'):
-        d = summary['drift']
-        out += ['## Grafted head after drift: the official `ce` head on the model fine-tuned on '
-                'code, healed on code', '',
-                f"Teacher-forced alpha on code before the fine-tuning {fmt(d['alpha_before'])}, "
-                f"after {fmt(d['alpha_after'])} (paired: {fmt(d['difference'], signed=True)}, "
-                f"{_verdict(d['difference'])}).", '']
+        out += ['Test, each loss at its best rate:', '', table(summary['cold']), '']
+    d = summary.get('drift')
+    if d:
+        out += ['## Drift: the official `ce` head on a backbone moved by self-sharpening', '',
+                f"The backbone fine-tuned {d['steps']} steps (lr {d['lr']:g}) on its own "
+                f"samples at T={preset.sharpen_temperature:g}; the official head's alpha "
+                f"(T=1) before -> after: curve windows {d['curve_validation']['before']:.3f} -> "
+                f"{d['curve_validation']['after']:.3f}, whole validation "
+                f"{d['validation']['before']:.3f} -> {d['validation']['after']:.3f} "
+                f"(drop {d['validation']['drop']:.3f}), test text {d['tf_test']['before']:.3f} -> "
+                f"{d['tf_test']['after']:.3f} (drop {d['tf_test']['drop']:.3f}), the backbone's "
+                f"own continuations {d['tf_continuation']['before']:.3f} -> "
+                f"{d['tf_continuation']['after']:.3f}; tokens per step T=1 "
+                f"{d['tokens T=1']['before']:.3f} -> {d['tokens T=1']['after']:.3f}, greedy "
+                f"{d['tokens greedy']['before']:.3f} -> {d['tokens greedy']['after']:.3f}; main "
+                f"model NLL on code {fmt(d['main_model_nll']['before'])} -> "
+                f"{fmt(d['main_model_nll']['after'])}.", '']
+    if summary['heal_sensitivity']:
+        out += ['Healing the grafted head, learning rates:', '',
+                sensitivity_table(summary['heal_sensitivity']), '']
     if summary['heal']:
-        out += [table(summary['heal']), '', _ranking_text(summary['heal_ranking']), '']
+        out += ['Test after healing, each loss at its best rate:', '', table(summary['heal']), '']
+    if summary['heal_recovery']:
+        out += ['Steps until the healed head is back at its pre-drift alpha (curve windows), '
+                'per seed: ' + '; '.join(
+                    f"`{loss}` " + ', '.join('-' if s is None else str(s) for s in steps)
+                    for loss, steps in summary['heal_recovery'].items()), '']
     if summary['joint']:
-        out += ['## Joint training: backbone and head fine-tuned together on code', '',
+        out += ['## Joint: the same fine-tuning with the official head trained alongside', '',
                 table(summary['joint']), '']
         for row in summary['joint']:
-            vs = row.get('main_model_vs_sft', {})
-            out.append(f"- `{row['label']}`: main model held-out NLL on code "
-                       f"{fmt(row['main_model']['A'])}, on docs {fmt(row['main_model']['B'])}; "
-                       f"vs the fine-tuning without MTP: code {fmt(vs.get('A'), 4, True)} "
-                       f"({_verdict(vs.get('A'))}), docs {fmt(vs.get('B'), 4, True)} "
-                       f"({_verdict(vs.get('B'))})")
+            vs = row.get('main_model_vs_no_heads', {})
+            out.append(f"- `{row['label']}`: main model NLL on code {fmt(row['main_model_nll'])}"
+                       + (f"; vs the fine-tuning without heads {vs['mean']:+.4f} (windows "
+                          f"±{vs['se_units']:.4f}, {_verdict(vs)})" if vs else ''))
         out.append('')
-    if summary['chain']:
-        out += [f'## Chain: {preset.chain_depths} depths, fresh heads', '',
-                table(summary['chain'], preset.chain_depths).replace('vs ce', 'vs tv'), '']
-    for kind, scores in summary['sweeps'].items():
-        if scores:
-            out += [f'Learning-rate sweep ({kind}), validation accepted drafts at T=1: ' +
-                    ', '.join(f'{k} {v:.3f}' for k, v in sorted(scores.items())), '']
     return '\n'.join(out)
 
 
-def _ranking_text(rank: Dict) -> str:
-    if not rank:
-        return ''
-    orders = ['>'.join(o) for o in rank['orders'].values()]
-    if rank['stable']:
-        verdict = 'the same at every point'
-    elif rank.get('stable_top'):
-        verdict = f"the first {len(rank['stable_top'])} held ({', '.join(rank['stable_top'])}), the rest moved"
-    else:
-        verdict = 'changed at the top'
-    return (f"Validation ranking (predicted accepted drafts) at the evaluations of the last third "
-            f"of training (steps {rank['steps']}): {verdict}: {'; '.join(dict.fromkeys(orders))}.")
+def _curves(ax, parts: Dict[str, Dict], summary_rows: List[Dict], scenario: str,
+            seeds: Sequence[int]) -> None:
+    for row in summary_rows:
+        loss = row['label']
+        for seed in seeds:
+            arm = parts.get(_arm_name(scenario, {'loss': loss, 'lr': row['lr'],
+                                                 'steps': row['steps'], 'seed': seed}))
+            if arm is None:
+                continue
+            points = arm['curve']['validation']
+            ax.plot([p['step'] for p in points], [p['sampled']['accepted'] for p in points],
+                    '-', color=COLORS.get(loss), alpha=0.9 if seed == seeds[0] else 0.45,
+                    lw=1.6 if seed == seeds[0] else 0.9,
+                    label=f"{loss} (lr {row['lr']:g})" if seed == seeds[0] else None)
+    ax.set_xlabel('step (1024 tokens each)')
+    ax.set_ylabel('accepted drafts per verify step\n(validation, T=1, expected)')
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
 
-def plot(path: str, parts: Dict[str, Dict], preset: Preset) -> Optional[str]:
-    """Held-out (validation) predicted accepted drafts at T=1 against step, every arm."""
+def plot(path: str, parts: Dict[str, Dict], summary: Dict, preset: Preset) -> Optional[str]:
+    """Validation accepted drafts at T=1 against step, each loss at its chosen rate, every
+    seed (thin lines: seeds after the first): cold start and healing."""
     plt, skipped = pyplot()
     if skipped:
         return skipped
-    panels = [('cold', 'cold start (fresh heads, docs)'), ('heal', 'grafted head healed on code'),
-              ('chain', f'{preset.chain_depths}-depth chain (fresh heads)'),
-              ('joint', 'joint fine-tuning on code')]
-    # The scenarios this run has curves of (the default preset: cold start alone).
-    panels = [(prefix, title) for prefix, title in panels
-              if any(n.startswith(prefix + '_') and 'curve' in r for n, r in parts.items())]
+    panels = [(s, t) for s, t in (('cold', 'cold start: fresh heads'),
+                                  ('heal', 'healing the official head after drift'))
+              if summary[s]]
     if not panels:
-        return 'no held-out curves in these parts'
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
-    for ax, (prefix, title) in zip(axes[0], panels):
-        for name, record in sorted(parts.items()):
-            if not name.startswith(prefix + '_') or 'curve' not in record:
-                continue
-            points = record['curve']['validation']
-            if not points:
-                continue
-            loss = record['loss']
-            style = '-' if record.get('seed', 0) == 0 else '--'
-            ax.plot([p['step'] for p in points], [p['sampled']['accepted'] for p in points],
-                    style, color=COLORS.get(loss), marker='.', label=name[len(prefix) + 1:])
+        return 'no arm has test results yet'
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, (scenario, title) in zip(axes[0], panels):
+        _curves(ax, parts, summary[scenario], scenario, preset.seeds)
+        if scenario == 'heal' and parts.get('drift_before'):
+            goal = parts['drift_before']['curve_validation']['sampled']['accepted']
+            ax.axhline(goal, color='k', ls=':', lw=1, label='official head before the drift')
+            ax.legend(fontsize=7)
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel('step')
-        ax.set_ylabel('validation accepted drafts per step (T=1, predicted)')
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, ncol=2)
-    save_figure(plt, fig, path, f'SmolLM2-135M, preset {preset.name}', dpi=90)
+    save_figure(plt, fig, path, f'SmolLM2-135M, one MTP depth, preset {preset.name}', dpi=90)
     return None
 
 
@@ -317,5 +403,5 @@ def write_report(store: Store, preset: Preset, results_dir: str, plot_png: bool 
     with open(os.path.join(results_dir, 'report.md'), 'w') as f:
         f.write(text + '\n')
     if plot_png:
-        plot(os.path.join(results_dir, 'smollm2_curves.png'), parts, preset)
+        plot(os.path.join(results_dir, 'smollm2_curves.png'), parts, summary, preset)
     return text
