@@ -21,6 +21,8 @@ import torch
 
 __all__ = [
     "random_batch",
+    "own_projection",
+    "forced_grad_storage",
     "sweep_targets_seen",
     "build_gpt_with_mtp",
     "build_hybrid_with_mtp",
@@ -41,6 +43,36 @@ def random_batch(vocab: int, seq: int, batch: int, seed: int = 0, keep: float = 
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
     mask = (torch.rand(batch, seq, generator=g) > 1 - keep).float()
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask
+
+
+@contextlib.contextmanager
+def own_projection() -> Iterator[None]:
+    """While open, ``GPTModel._postprocess`` hands its MTP loss no main logits, so the TV losses
+    project their target themselves, as they do where no main logits exist (``HybridModel``, an
+    ``output_processor``): the other target source on the same model, for comparisons. Patch
+    mode too (``megatron.mtp_tv`` is then the patched tree's package)."""
+    from megatron.mtp_tv.main_logits import MainLogitsTarget
+
+    original = MainLogitsTarget.__dict__['for_postprocess']
+    MainLogitsTarget.for_postprocess = classmethod(lambda cls, model, output_processor=None: None)
+    try:
+        yield
+    finally:
+        MainLogitsTarget.for_postprocess = original
+
+
+@contextlib.contextmanager
+def forced_grad_storage(storage: str) -> Iterator[None]:
+    """While open, ``linear_tv_loss`` keeps ``storage`` (``'dense'`` or ``'logit_grads'``) for
+    backward, whatever its shapes would choose (:func:`~megatron.mtp_tv.linear_tv.choose_grad_storage`)."""
+    from megatron.mtp_tv import linear_tv
+
+    original = linear_tv.choose_grad_storage
+    linear_tv.choose_grad_storage = lambda *args, **kwargs: storage
+    try:
+        yield
+    finally:
+        linear_tv.choose_grad_storage = original
 
 
 @contextlib.contextmanager

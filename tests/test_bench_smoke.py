@@ -112,9 +112,8 @@ def test_quick_run_prints_table_and_json(quick_report):
     assert report['command'].endswith(
         f"tools/bench_loss.py --cases {GROUPS} --quick --json {report['args']['json']}")
     cases = {(r['case'], r['impl']) for r in report['rows']}
-    for case, impls in (('loss', ('ce', 'tv', 'tv-recompute')),
-                        ('mtp', ('ce', 'tv', 'tv-recompute', 'e2e_tv', 'e2e_tv-recompute')),
-                        ('tp', ('ce', 'tv', 'tv-recompute'))):
+    for case, impls in (('loss', ('ce', 'tv')), ('mtp', ('ce', 'tv', 'e2e_tv')),
+                        ('tp', ('ce', 'tv'))):
         for impl in impls:
             assert (case, impl) in cases, (case, impl)
     for r in report['rows']:
@@ -154,9 +153,6 @@ def test_quick_run_memory_is_sane(quick_report):
                 dense = 4 * h * (V // tp + r['tokens'])
                 logit_grads = 4 * r['tokens'] * V // tp
                 assert r['saved_bytes'] == pytest.approx(min(dense, logit_grads), abs=64)
-        # Recompute keeps only the inputs, which existed before the forward: nothing.
-        rec = summaries[(case, tp, 'tv-recompute')]
-        assert rec['saved_per_token_bytes'] == pytest.approx(0, abs=1)
     for r in report['rows']:
         if r['impl'] == 'ce' and r['case'] in ('loss', 'tp'):
             # CE's peak holds at least its [s, V/tp] fp32 logits.
@@ -283,7 +279,7 @@ def test_targets_on_made_up_rows():
     rows = [
         _row('mtp', 'ce'), _row('mtp', 'tv', ratio=1.09, peak=99),
         _row('mtp', 'kl', ratio=1.11, peak=99), _row('mtp', 'nla', ratio=1.39, peak=99),
-        _row('mtp', 'tv-auto', ratio=1.05, peak=101), _row('mtp', 'tv-recompute', ratio=3.0),
+        _row('mtp', 'tv-auto', ratio=1.05, peak=101), _row('mtp', 'tv-own', ratio=3.0),
         _row('mtp', 'ce', seq=1024), _row('mtp', 'lk', seq=1024, ratio=2.0, peak=99),
         _row('mtp', 'ce', G=3), _row('mtp', 'e2e_tv', G=3, ratio=1.01, peak=99),
         _row('step', 'ce', target_source='own projection'),
@@ -298,7 +294,7 @@ def test_targets_on_made_up_rows():
     assert met[('mtp', 4096, 1, 'kl', None)] is False  # 1.11 > 1.10
     assert met[('mtp', 4096, 1, 'nla', None)] is True  # 1.4x kept
     assert met[('mtp', 4096, 1, 'tv-auto', None)] is False  # peak above CE's
-    assert met[('mtp', 4096, 1, 'tv-recompute', None)] is None
+    assert met[('mtp', 4096, 1, 'tv-own', None)] is None  # the fallback: a reference
     assert met[('mtp', 1024, 1, 'lk', None)] is True  # no time target at 1k: peak only
     assert met[('mtp', 4096, 3, 'e2e_tv', None)] is False  # 1.0x with 3 depths
     assert met[('step', 4096, 1, 'tv', None)] is True  # 1.02 <= 1.03, peak equal

@@ -62,10 +62,8 @@ def test_install_is_idempotent():
         (dict(mtp_num_layers=1, mtp_tv_chunk=2.5), 'mtp_tv_chunk=2.5 is invalid'),
         (dict(mtp_loss_type='tv'), "mtp_loss_type='tv' trains MTP heads, but mtp_num_layers=None"),
         (dict(mtp_num_layers=0, mtp_loss_type='e2e_tv'), 'mtp_num_layers=0'),
-        (dict(mtp_num_layers=1, mtp_tv_target='own'),
-         "mtp_tv_target='own' is not supported; choose one of ['main_logits', 'projection']"),
-        (dict(mtp_num_layers=1, mtp_tv_backward='dense'),
-         "mtp_tv_backward='dense' is not supported; choose one of ['fused', 'recompute']"),
+        (dict(mtp_num_layers=1, mtp_tv_kernels='cuda'),
+         "mtp_tv_kernels='cuda' is not supported; choose one of ['auto', 'torch', 'triton']"),
     ],
 )
 def test_bad_values_raise_at_construction(kwargs, message):
@@ -96,8 +94,6 @@ def test_flags_come_from_megatrons_argument_factory_with_help():
     for name in ('mtp_tv_temperature', 'mtp_lk_eta'):
         assert actions[name].option_strings == ['--' + name.replace('_', '-')]
         assert actions[name].type is float
-    assert tuple(actions['mtp_tv_target'].choices) == ('main_logits', 'projection')
-    assert tuple(actions['mtp_tv_backward'].choices) == ('fused', 'recompute')
     assert tuple(actions['mtp_tv_kernels'].choices) == ROW_KERNELS  # the row ops' own list
     for name in (f.name for f in dataclasses.fields(megatron.mtp_tv.MTPLossConfig)):
         assert actions[name].help == ' '.join(docs[name].split()) and len(docs[name]) > 40
@@ -111,13 +107,12 @@ def test_parse_args_round_trip_into_transformer_config(monkeypatch):
         'pretrain_gpt.py', '--num-layers', '2', '--hidden-size', '8', '--num-attention-heads', '2',
         '--no-rope-fusion', '--mtp-num-layers', '2', '--mtp-loss-type', 'e2e_tv',
         '--mtp-tv-chunk', '64', '--mtp-log-acceptance', '--mtp-tv-temperature', '0.7',
-        '--mtp-lk-eta', '2.5', '--mtp-tv-target', 'projection', '--mtp-tv-backward', 'recompute',
-        '--mtp-tv-kernels', 'torch',
+        '--mtp-lk-eta', '2.5', '--mtp-tv-kernels', 'torch',
     ])
     args = parse_args()
     fields = ('mtp_loss_type', 'mtp_tv_chunk', 'mtp_log_acceptance', 'mtp_tv_temperature', 'mtp_lk_eta',
-              'mtp_tv_target', 'mtp_tv_backward', 'mtp_tv_kernels')
-    expected = ('e2e_tv', 64, True, 0.7, 2.5, 'projection', 'recompute', 'torch')
+              'mtp_tv_kernels')
+    expected = ('e2e_tv', 64, True, 0.7, 2.5, 'torch')
     assert tuple(getattr(args, f) for f in fields) == expected
     args.params_dtype = torch.float32
     config = core_transformer_config_from_args(args)
@@ -144,11 +139,20 @@ def test_cli_rejects_unknown_loss_type(monkeypatch, capsys):
     assert "invalid choice: 'lk_alpha'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize('env,field', [
-    ('MEGATRON_MTP_TV_MAIN_LOGITS', 'mtp_tv_target'), ('MEGATRON_MTP_TV_FUSED', 'mtp_tv_backward'),
-    ('MEGATRON_MTP_TV_TRITON', 'mtp_tv_kernels'),
-])
-def test_an_environment_knob_of_earlier_versions_is_an_error_naming_its_field(monkeypatch, env, field):
-    monkeypatch.setenv(env, '0')
-    with pytest.raises(ValueError, match=f"{env}='0' is set, but .* set the config field {field}"):
-        TransformerConfig(**BASE, mtp_num_layers=1, mtp_loss_type='tv')
+def test_the_fields_are_the_settings_a_user_makes():
+    """Seven fields: the loss, its chunk, temperature and hyper-parameter, the row kernels, the
+    metrics with 'ce' and the chunked 'ce'. Where the target comes from (the main logits where
+    the model has them) and how backward runs are the loss's own business, not settings."""
+    assert [f.name for f in dataclasses.fields(megatron.mtp_tv.MTPLossConfig)] == [
+        'mtp_loss_type', 'mtp_tv_chunk', 'mtp_tv_temperature', 'mtp_lk_eta', 'mtp_tv_kernels',
+        'mtp_log_acceptance', 'mtp_ce_chunked']
+
+
+@pytest.mark.parametrize('flag', ['--mtp-tv-target', '--mtp-tv-backward'])
+def test_a_removed_debugging_flag_is_refused_by_name(monkeypatch, capsys, flag):
+    from megatron.training.arguments import parse_args
+
+    monkeypatch.setattr(sys, 'argv', ['x', '--mtp-num-layers', '1', flag, 'projection'])
+    with pytest.raises(SystemExit):
+        parse_args()
+    assert f'unrecognized arguments: {flag}' in capsys.readouterr().err

@@ -8,6 +8,7 @@ from megatron.mtp_tv.linear_tv import (
 )
 from megatron.mtp_tv.losses import LOSSES, EndToEndTVLoss, make_loss
 from megatron.mtp_tv.row_ops import TorchRowOps
+from mtp_tv_dev.models import forced_grad_storage
 from mtp_tv_dev.reference import depth_terms, objective, token_weights
 
 S, B, H, V = 7, 2, 8, 13
@@ -38,23 +39,26 @@ def _reference(loss_type, draft, target, weight, masks, scale=0.3, logits_fn=Non
 TRITON = pytest.mark.triton_slice
 
 F64, F32 = torch.float64, torch.float32
+DE, LG = 'dense', 'logit_grads'  # what the loss keeps for backward (forced_grad_storage)
 
 
 @pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv'])
-# Every pair of values of depths, chunk (one chunk, 1 token, non-divisor, > tokens), fused or
-# recompute, and dtype (float32 weights take every depth of a chunk through one product; other
-# dtypes go depth by depth) appears in some row: 12 rows instead of the 48 of every combination.
-@pytest.mark.parametrize('G,chunk,fused,dtype', [
-    (1, 0, False, F32), (1, 1, False, F32), pytest.param(1, 5, True, F32, marks=TRITON), (1, 100, False, F64),
-    (2, 0, True, F32), (2, 1, True, F64), pytest.param(2, 5, False, F64, marks=TRITON), (2, 100, False, F64),
-    (3, 0, True, F64), (3, 1, False, F64), pytest.param(3, 5, True, F32, marks=TRITON), (3, 100, True, F32),
+# Every pair of values of depths, chunk (one chunk, 1 token, non-divisor, > tokens), what is
+# kept for backward (the gradients, or the logit gradients), and dtype (float32 weights take every
+# depth of a chunk through one product; other dtypes go depth by depth) appears in some row: 12
+# rows instead of the 48 of every combination.
+@pytest.mark.parametrize('G,chunk,storage,dtype', [
+    (1, 0, LG, F32), (1, 1, LG, F32), pytest.param(1, 5, DE, F32, marks=TRITON), (1, 100, LG, F64),
+    (2, 0, DE, F32), (2, 1, DE, F64), pytest.param(2, 5, LG, F64, marks=TRITON), (2, 100, LG, F64),
+    (3, 0, DE, F64), (3, 1, LG, F64), pytest.param(3, 5, DE, F32, marks=TRITON), (3, 100, DE, F32),
 ])
-def test_matches_reference(loss_type, G, chunk, fused, dtype):
+def test_matches_reference(loss_type, G, chunk, storage, dtype):
     draft, target, weight, masks = _inputs(G, dtype=dtype)
-    out = linear_tv_loss(
-        draft, target, weight, token_weights(loss_type, masks).to(dtype), loss_type=loss_type,
-        chunk_size=chunk, fused=fused,
-    )
+    with forced_grad_storage(storage):
+        out = linear_tv_loss(
+            draft, target, weight, token_weights(loss_type, masks).to(dtype), loss_type=loss_type,
+            chunk_size=chunk,
+        )
     out.loss.backward()
     got = (draft.grad.clone(), weight.grad.clone())
     draft.grad = weight.grad = None
@@ -72,17 +76,18 @@ def test_matches_reference(loss_type, G, chunk, fused, dtype):
     [('kl', 1.0, 3.0), ('lk', 1.0, 3.0), ('lk', 1.0, 0.0), ('lk', 1.0, 50.0), ('lk', 0.6, 1.5),
      ('tv', 0.7, 3.0), ('e2e_tv', 1.7, 3.0), ('kl', 0.5, 3.0), ('nla', 1.0, 3.0), ('nla', 0.6, 3.0)],
 )
-# Every pair of values of depths, chunk and fused-or-recompute, in 8 rows instead of 16.
-@pytest.mark.parametrize('G,chunk,fused', [
-    (1, 0, True), (3, 0, False), (1, 1, True), (3, 1, False),
-    (1, 5, False), pytest.param(3, 5, True, marks=TRITON), (1, 100, False), (3, 100, True),
+# Every pair of values of depths, chunk and storage, in 8 rows instead of 16.
+@pytest.mark.parametrize('G,chunk,storage', [
+    (1, 0, DE), (3, 0, LG), (1, 1, DE), (3, 1, LG),
+    (1, 5, LG), pytest.param(3, 5, DE, marks=TRITON), (1, 100, LG), (3, 100, DE),
 ])
-def test_kl_lk_and_temperature_match_reference(loss_type, temperature, eta, G, chunk, fused):
+def test_kl_lk_and_temperature_match_reference(loss_type, temperature, eta, G, chunk, storage):
     draft, target, weight, masks = _inputs(G)
-    out = linear_tv_loss(
-        draft, target, weight, token_weights(loss_type, masks),
-        chunk_size=chunk, fused=fused, temperature=temperature, loss_type=_loss(loss_type, eta),
-    )
+    with forced_grad_storage(storage):
+        out = linear_tv_loss(
+            draft, target, weight, token_weights(loss_type, masks),
+            chunk_size=chunk, temperature=temperature, loss_type=_loss(loss_type, eta),
+        )
     out.loss.backward()
     got = (draft.grad.clone(), weight.grad.clone())
     draft.grad = weight.grad = None
@@ -108,20 +113,6 @@ def test_lk_with_eta_zero_is_kl_and_large_eta_approaches_tv():
     # exp(-1e4 alpha) vanishes for every alpha of these inputs: only the TV term is left.
     for a, b in zip(values['tv'], values['lk_big']):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
-
-
-@pytest.mark.parametrize('loss_type', list(LOSSES))
-@pytest.mark.parametrize('chunk', [0, 1, 5, 100])
-def test_fused_and_recompute_paths_agree_exactly(loss_type, chunk):
-    results = []
-    for fused in (True, False):
-        draft, target, weight, masks = _inputs(3, dtype=torch.float32)
-        out = linear_tv_loss(draft, target, weight, token_weights(loss_type, masks), loss_type=loss_type,
-                             chunk_size=chunk, fused=fused)
-        out.loss.backward()
-        results.append((out.loss, out.alpha, draft.grad, weight.grad))
-    for fused_value, recomputed_value in zip(*results):
-        assert torch.equal(fused_value, recomputed_value)
 
 
 def test_e2e_equals_tv_for_one_depth():
@@ -197,10 +188,11 @@ def test_detached_weight_gets_no_gradient_and_skips_weight_products():
     assert weight.grad is None and draft.grad is not None
 
 
-@pytest.mark.parametrize('fused', [True, False])
-def test_upstream_gradient_scales_and_a_second_backward_is_refused_when_fused(fused):
+@pytest.mark.parametrize('storage', [DE, LG])
+def test_upstream_gradient_scales_and_a_second_backward_is_refused_for_dense_gradients(storage):
     draft, target, weight, masks = _inputs(2)
-    out = linear_tv_loss(draft, target, weight, token_weights('tv', masks), loss_type='tv', fused=fused)
+    with forced_grad_storage(storage):
+        out = linear_tv_loss(draft, target, weight, token_weights('tv', masks), loss_type='tv')
     ref, _ = _reference('tv', draft, target, weight, masks)
     (3.0 * out.loss).backward(retain_graph=True)
     got = draft.grad.clone(), weight.grad.clone()
@@ -208,10 +200,10 @@ def test_upstream_gradient_scales_and_a_second_backward_is_refused_when_fused(fu
     (3.0 * ref).backward()
     torch.testing.assert_close(got[0], draft.grad, rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(got[1], weight.grad, rtol=1e-4, atol=1e-7)
-    if fused:  # the gradients were scaled in place: handing them out twice must fail loudly
+    if storage == DE:  # the gradients were scaled in place: handing them out twice must fail loudly
         with pytest.raises(RuntimeError, match='modified by an inplace operation'):
             out.loss.backward()
-    else:
+    else:  # the stored logit gradients are only read
         out.loss.backward()
 
 

@@ -11,7 +11,8 @@ import megatron.mtp_tv
 from megatron.mtp_tv.losses import LOSSES
 from megatron.mtp_tv.main_logits import MainLogitsTarget
 from mtp_tv_dev.distributed import single_process
-from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss, random_batch, sweep_targets_seen
+from mtp_tv_dev.models import (build_gpt_with_mtp, forward_loss, own_projection, random_batch,
+                               sweep_targets_seen)
 
 megatron.mtp_tv.install()
 
@@ -37,8 +38,9 @@ def _model(loss_type='tv', depth=2, **overrides):
 
 def _step(model, monkeypatch=None, own=False):
     tokens, labels, mask = _batch()
-    model.config.mtp_tv_target = 'projection' if own else 'main_logits'
     with contextlib.ExitStack() as stack:
+        if own:
+            stack.enter_context(own_projection())
         seen = stack.enter_context(sweep_targets_seen())
         loss = forward_loss(model, tokens, labels, mask)
         (loss * mask).sum().backward()
@@ -99,13 +101,9 @@ def test_output_processor_falls_back_to_the_own_projection():
     assert all(p.grad is not None for n, p in model.named_parameters() if n.startswith('mtp.'))
 
 
-def test_fused_linear_cross_entropy_and_the_switch_fall_back(monkeypatch):
+def test_fused_linear_cross_entropy_falls_back(monkeypatch):
     model = _model('tv', depth=1)
     model.fuse_linear_cross_entropy = True  # Megatron dev: no main logits are materialised
-    _, _, seen = _step(model)
-    assert seen == [False]
-    del model.fuse_linear_cross_entropy
-    model.config.mtp_tv_backward = 'recompute'  # recompute mode keeps its target
     _, _, seen = _step(model)
     assert seen == [False]
 

@@ -42,8 +42,9 @@ def _target(config, target):
     GPTModel._postprocess computes them) or projected by the loss (``'own'``, the fallback), and
     check that this is the path taken."""
     from megatron.mtp_tv import mtp_loss
+    from mtp_tv_dev.models import own_projection
 
-    config.mtp_tv_target = 'projection' if target == 'own' else 'main_logits'
+    del config  # the target source is the model's: main logits where it projects them
     seen = []
     original = mtp_loss.linear_tv_loss
 
@@ -51,7 +52,8 @@ def _target(config, target):
         seen.append('main_logits' if kwargs.get('target_logits') is not None else 'own')
         return original(*args, **kwargs)
 
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, (
+            own_projection() if target == 'own' else contextlib.nullcontext()):
         mp.setattr(mtp_loss, 'linear_tv_loss', spy)
         yield
     assert set(seen) <= {target}, seen

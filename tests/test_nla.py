@@ -13,6 +13,7 @@ import torch
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES, make_loss
 from megatron.mtp_tv.row_ops import TorchRowOps
+from mtp_tv_dev.models import forced_grad_storage
 from mtp_tv_dev.reference import NLA_FLOOR, depth_terms, nla_values, objective, token_weights
 
 
@@ -49,12 +50,13 @@ def _far_apart_inputs(gaps):
 
 
 @pytest.mark.triton_slice  # also through the Triton kernels (tests/test_triton_kernels.py)
-@pytest.mark.parametrize('fused', [True, False])
-def test_value_and_gradient_near_and_at_zero_acceptance_match_the_formula(fused):
+@pytest.mark.parametrize('storage', ['dense', 'logit_grads'])
+def test_value_and_gradient_near_and_at_zero_acceptance_match_the_formula(storage):
     gaps = [9.0, 14.0, 18.0, 120.0]
     draft, target, weight, masks = _far_apart_inputs(gaps)
-    out = linear_tv_loss(draft, target, weight, token_weights('nla', masks, 1.0), loss_type='nla',
-                         chunk_size=1, fused=fused)
+    with forced_grad_storage(storage):
+        out = linear_tv_loss(draft, target, weight, token_weights('nla', masks, 1.0),
+                             loss_type='nla', chunk_size=1)
     out.loss.backward()
     got = (draft.grad.clone(), weight.grad.clone())
     draft.grad = weight.grad = None
@@ -78,8 +80,8 @@ def test_value_and_gradient_near_and_at_zero_acceptance_match_the_formula(fused)
 
 @pytest.mark.triton_slice  # also through the Triton kernels (tests/test_triton_kernels.py)
 @pytest.mark.parametrize('temperature', [1.0, 0.7])
-@pytest.mark.parametrize('fused', [True, False])
-def test_one_hot_target_is_cross_entropy(temperature, fused):
+@pytest.mark.parametrize('storage', ['dense', 'logit_grads'])
+def test_one_hot_target_is_cross_entropy(temperature, storage):
     # Orthonormal weight rows and target hidden states 300 * W[y]: the target logits are 300 at y
     # and 0 elsewhere, so p = e_y exactly in fp32, alpha = q_y and -log(alpha) is CE's -log q_y.
     g = torch.Generator().manual_seed(3)
@@ -92,8 +94,9 @@ def test_one_hot_target_is_cross_entropy(temperature, fused):
     masks = torch.ones(1, S, B, dtype=torch.float64)
     masks[0, -1] = 0
     weights = token_weights('nla', masks, 0.3)
-    out = linear_tv_loss(draft, target, weight, weights, loss_type='nla', temperature=temperature,
-                         chunk_size=5, fused=fused)
+    with forced_grad_storage(storage):
+        out = linear_tv_loss(draft, target, weight, weights, loss_type='nla',
+                             temperature=temperature, chunk_size=5)
     out.loss.backward()
     got = (draft.grad.clone(), weight.grad.clone())
     draft.grad = weight.grad = None

@@ -18,7 +18,7 @@ import megatron.mtp_tv
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES
 from mtp_tv_dev.distributed import single_process
-from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss
+from mtp_tv_dev.models import build_gpt_with_mtp, forced_grad_storage, forward_loss
 from mtp_tv_dev.reference import token_weights
 
 megatron.mtp_tv.install()
@@ -56,22 +56,19 @@ def _inputs(G=2, s=12, b=2, h=8, V=32):
 
 
 @pytest.mark.parametrize('loss_type', list(LOSSES))
-@pytest.mark.parametrize('fused', [True, False])
-def test_products_in_eval_and_training(loss_type, fused):
+def test_products_in_eval_and_training(loss_type):
     G, chunk_positions = 2, 3
     draft, target, weight, masks = _inputs(G)
     chunks = 12 // chunk_positions
-    kwargs = dict(loss_type=loss_type, chunk_size=chunk_positions * 2, fused=fused)
+    kwargs = dict(loss_type=loss_type, chunk_size=chunk_positions * 2)
     with torch.no_grad(), counting() as evaluation:
         linear_tv_loss(draft, target, weight, token_weights(loss_type, masks), **kwargs)
     assert evaluation.count == chunks  # one projection per chunk, no gradient products
     with counting() as training:
         out = linear_tv_loss(draft, target, weight, token_weights(loss_type, masks), **kwargs)
         out.loss.backward()
-    # fused: projection + input grad + weight grad per chunk, every depth in each (fp32 weights);
-    # recompute: the sweep twice
-    per_chunk = 1 + 2
-    assert training.count == chunks * (per_chunk if fused else 1 + per_chunk)
+    # projection + input grad + weight grad per chunk, every depth in each (fp32 weights)
+    assert training.count == chunks * (1 + 2)
 
 
 def _model_step(loss_type, log_acceptance, train=True):
@@ -117,12 +114,11 @@ def test_target_logits_project_only_the_drafts(storage):
     G, chunk_positions = 2, 3
     draft, target, weight, masks = _inputs(G)
     chunks = 12 // chunk_positions
-    kwargs = dict(chunk_size=chunk_positions * 2, target_logits=target @ weight.detach().t(),
-                  grad_storage=storage)
+    kwargs = dict(chunk_size=chunk_positions * 2, target_logits=target @ weight.detach().t())
     with torch.no_grad(), counting() as evaluation:
         linear_tv_loss(draft, None, weight, token_weights('tv', masks), **kwargs)
     assert evaluation.count == chunks  # the draft rows of every depth in one product per chunk
-    with counting() as training:
+    with counting() as training, forced_grad_storage(storage):
         out = linear_tv_loss(draft, None, weight, token_weights('tv', masks), **kwargs)
         out.loss.backward()
     # dense: input grad + weight grad per chunk in forward, every depth in each; logit_grads:

@@ -2,10 +2,11 @@
 
 Spawned gloo workers on CPU. Whole-model runs compare TP=2 against TP=1 with the same weights;
 ``process_mtp_loss``-level runs compare context-parallel ranks and packed rows against the
-independent full-sequence reference in ``mtp_tv_dev.reference``. Every worker also reruns with
-``mtp_tv_backward='recompute'``, which must give the same numbers (up to the order of summation).
+independent full-sequence reference in ``mtp_tv_dev.reference``. Every worker runs both target
+sources: the main logits (the default) and the loss's own projection of the target.
 """
 
+import contextlib
 import importlib
 
 import pytest
@@ -28,7 +29,7 @@ def _model_worker(rank, loss_type, depth, tie, sequence_parallel):
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     from megatron.mtp_tv.metrics import acceptance_metrics
     from mtp_tv_dev.cpu import allreduce_sequence_parallel_grads
-    from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss, gather_tp_params
+    from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss, gather_tp_params, own_projection
 
     megatron.mtp_tv.install()
     model = build_gpt_with_mtp(
@@ -51,17 +52,16 @@ def _model_worker(rank, loss_type, depth, tie, sequence_parallel):
             )
     tokens, labels, mask = _batch()
     runs = []
-    # The default (fused, target from the main logits), the fused path projecting its own target,
-    # then the recompute path (which always projects its own), on the same model.
-    for backward, target in (('fused', 'main_logits'), ('fused', 'projection'), ('recompute', 'main_logits')):
-        model.config.mtp_tv_backward, model.config.mtp_tv_target = backward, target
+    # The default (the target from the main logits), then the loss projecting its own target.
+    for own in (False, True):
         for param in model.parameters():
             param.grad = None
         MTPLossLoggingHelper.tracker.clear()
         gathers.clear()
-        loss = forward_loss(model, tokens, labels, mask)
+        with own_projection() if own else contextlib.nullcontext():
+            loss = forward_loss(model, tokens, labels, mask)
         if sequence_parallel:  # the target from the main logits needs no gathered hidden states
-            assert len(gathers) == (1 if (backward, target) == ('fused', 'main_logits') else 2), gathers
+            assert len(gathers) == (2 if own else 1), gathers
         ((loss * mask).sum() / mask.sum()).backward()
         if sequence_parallel:
             allreduce_sequence_parallel_grads(model)
@@ -89,20 +89,15 @@ def _model_worker(rank, loss_type, depth, tie, sequence_parallel):
 def test_whole_model_tp2_matches_tp1(loss_type, depth, tie, sequence_parallel):
     from mtp_tv_dev.models import compare_gathered
 
-    ((ref_params, ref_logged, ref_metrics), _, _), = spawn(
+    ((ref_params, ref_logged, ref_metrics), _), = spawn(
         _model_worker, 1, loss_type, depth, tie, False
     )
     results = spawn(_model_worker, 2, loss_type, depth, tie, sequence_parallel, tp=2)
-    for (params, logged, metrics), own, recomputed in results:
-        for run_params, run_logged, run_metrics in ((params, logged, metrics), own):
+    for runs in results:
+        for run_params, run_logged, run_metrics in runs:  # both target sources
             assert compare_gathered(ref_params, run_params, atol=1e-5, rtol=1e-4) == []
             torch.testing.assert_close(run_logged, ref_logged, rtol=1e-5, atol=1e-6)
             assert run_metrics == pytest.approx(ref_metrics, rel=1e-5)
-        # mtp_tv_backward='recompute' recomputes the same chunks in backward: the same numbers as the
-        # fused path with the same (own) target, up to the order in which the weight gradient is
-        # summed (the fused path may keep the logit gradients and sum them in one product).
-        assert compare_gathered(own[0], recomputed[0], atol=1e-8, rtol=1e-5) == []
-        assert torch.equal(own[1], recomputed[1]) and own[2] == recomputed[2]
     assert results[0][0][2] == results[1][0][2]  # the metrics agree across TP ranks
 
 
@@ -135,19 +130,19 @@ def _loss_worker(rank, loss_type, depth, s, seq_lengths, pad, temperature=1.0):
         cu = packed.cu_seqlens_q
     index = zigzag_cp_index(s, cp_rank, cp, cu) if cp > 1 else torch.arange(s)
     local_hidden = torch.cat([c.index_select(0, index) for c in hidden.chunk(1 + depth)])
-    runs = _fused_and_recomputed(
+    runs = _both_target_sources(
         mtp.process_mtp_loss, local_hidden, weight, loss_type, depth, cp, temperature,
         labels=labels[:, index], loss_mask=mask[:, index], cp_group=cp_group,
         packed_seq_params=packed,
     )
-    return (index, *runs[0], runs[1], runs[2])
+    return (index, *runs[0], runs[1])
 
 
-def _fused_and_recomputed(process_mtp_loss, local_hidden, weight, loss_type, depth, cp,
-                          temperature=1.0, **inputs):
-    """``process_mtp_loss`` on this rank's rows, fused, recomputed, then fused with the target from
-    the main logits: ``[(hidden grad, weight grad, logged per-depth loss)] * 3``. ``inputs``:
-    labels, loss mask and layout arguments."""
+def _both_target_sources(process_mtp_loss, local_hidden, weight, loss_type, depth, cp,
+                         temperature=1.0, **inputs):
+    """``process_mtp_loss`` on this rank's rows projecting its own target, then with the target
+    from the main logits: ``[(hidden grad, weight grad, logged per-depth loss)] * 2``.
+    ``inputs``: labels, loss mask and layout arguments."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer import multi_token_prediction as mtp
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -164,24 +159,20 @@ def _fused_and_recomputed(process_mtp_loss, local_hidden, weight, loss_type, dep
     )
     with torch.no_grad():
         layer.weight.copy_(weight)
-    runs = []
-    for backward in ('fused', 'recompute'):  # the default fused path, then the recompute path
-        config.mtp_tv_backward = backward
-        local_hidden.grad = layer.weight.grad = None
-        mtp.MTPLossLoggingHelper.tracker.clear()
-        out = process_mtp_loss(
-            hidden_states=local_hidden, output_layer=layer, output_weight=None,
-            runtime_gather_output=None, is_training=True, compute_language_model_loss=None,
-            config=config, **inputs,
-        )
-        (out * 0).sum().backward()  # only the MTP loss riding on MTPLossAutoScaler
-        logged = mtp.MTPLossLoggingHelper.tracker['loss_values'].clone()
-        runs.append((local_hidden.grad, layer.weight.grad, logged))
+    local_hidden.grad = layer.weight.grad = None
+    mtp.MTPLossLoggingHelper.tracker.clear()
+    out = process_mtp_loss(
+        hidden_states=local_hidden, output_layer=layer, output_weight=None,
+        runtime_gather_output=None, is_training=True, compute_language_model_loss=None,
+        config=config, **inputs,
+    )
+    (out * 0).sum().backward()  # only the MTP loss riding on MTPLossAutoScaler
+    runs = [(local_hidden.grad, layer.weight.grad,
+             mtp.MTPLossLoggingHelper.tracker['loss_values'].clone())]
     # The target read from this rank's main logits (what GPTModel._postprocess hands over); the
     # halo rows of other ranks are still hidden states, projected by the loss.
     from megatron.mtp_tv.mtp_loss import process_mtp_tv_loss
 
-    config.mtp_tv_backward = 'fused'
     local_hidden.grad = layer.weight.grad = None
     mtp.MTPLossLoggingHelper.tracker.clear()
     main_logits = local_hidden.detach().chunk(1 + depth)[0] @ weight.t()
@@ -222,11 +213,7 @@ def _reference_for_rank(loss_type, depth, s, index, seq_bounds, temperature=1.0,
 def _check_against_reference(
     results, loss_type, depth, s, seq_bounds, temperature=1.0, mask_shift=1
 ):
-    for index, grad, weight_grad, logged, recomputed, from_main_logits in results:
-        # Fused and recompute paths agree (the gradients up to their order of summation).
-        assert torch.equal(logged, recomputed[2])
-        for fused_value, recomputed_value in zip((grad, weight_grad), recomputed):
-            torch.testing.assert_close(fused_value, recomputed_value, rtol=1e-5, atol=1e-8)
+    for index, grad, weight_grad, logged, from_main_logits in results:
         ref_grad, ref_weight_grad, ref_tv = _reference_for_rank(
             loss_type, depth, s, index, seq_bounds, temperature, mask_shift
         )
@@ -326,12 +313,12 @@ def _contiguous_worker(rank, loss_type, depth, lengths, derive_labels=False, pre
 
     mtp.roll_tensor = recording_roll_tensor  # this worker process only
     local_hidden = torch.cat([c.index_select(0, index) for c in hidden.chunk(1 + depth)])
-    runs = _fused_and_recomputed(
+    runs = _both_target_sources(
         api.process_mtp_loss, local_hidden, weight, loss_type, depth, cp_group.size(),
         temperature, cp_group=cp_group, packed_seq_params=packed, sequence_roll_context=context,
         **local,
     )
-    return (index, *runs[0], runs[1], runs[2]), rolls, api.native
+    return (index, *runs[0], runs[1]), rolls, api.native
 
 
 def _expected_rolls(depth, derive_labels):
@@ -342,7 +329,7 @@ def _expected_rolls(depth, derive_labels):
         roll for k in range(depth)
         for roll in ((True, [field], k + derive_labels), (True, ['loss_mask'], k + derive_labels))
     ]
-    return (first + per_depth) * 3  # fused, recomputed, then fused from the main logits
+    return (first + per_depth) * 2  # projecting the target, then from the main logits
 
 
 def _bounds(lengths):

@@ -6,6 +6,7 @@ import torch
 
 from megatron.mtp_tv.linear_tv import TargetSegment, choose_grad_storage, linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES
+from mtp_tv_dev.models import forced_grad_storage
 from mtp_tv_dev.reference import depth_terms, objective, token_weights
 
 S, B, H, V = 7, 2, 8, 13
@@ -40,11 +41,12 @@ def test_target_logits_and_stored_logit_grads_match_reference(loss_type, G, chun
     logits_fn = (lambda z: 0.7 * z) if scaling == 'mup' else None  # noqa: E731  (applied to the given logits too)
     temperature = 1.0 if scaling == 'none' else 0.8
     kwargs = dict(target_logits=target @ weight.detach().t()) if given == 'logits' else {}
-    out = linear_tv_loss(
-        draft, None if given == 'logits' else target, weight, token_weights(loss_type, masks),
-        loss_type=loss_type, chunk_size=chunk, grad_storage=storage, logits_fn=logits_fn,
-        temperature=temperature, **kwargs,
-    )
+    with forced_grad_storage(storage):
+        out = linear_tv_loss(
+            draft, None if given == 'logits' else target, weight, token_weights(loss_type, masks),
+            loss_type=loss_type, chunk_size=chunk, logits_fn=logits_fn, temperature=temperature,
+            **kwargs,
+        )
     got = _grads(out, draft, weight)
     alpha, kl = depth_terms(target, list(draft), weight, logits_fn=logits_fn, temperature=temperature)
     ref = objective(loss_type, alpha, kl, masks, 0.3)
@@ -61,10 +63,11 @@ def test_target_logits_with_halo_rows_match_one_segment(storage):
     G = 2
     draft, target, weight, masks = _inputs(G, seed=1)
     segments = [TargetSegment(0, 4, halo=target[4 : 4 + G]), TargetSegment(4, S)]
-    out = linear_tv_loss(
-        draft, None, weight, token_weights('tv', masks), loss_type='tv', chunk_size=3,
-        segments=segments, target_logits=target @ weight.detach().t(), grad_storage=storage,
-    )
+    with forced_grad_storage(storage):
+        out = linear_tv_loss(
+            draft, None, weight, token_weights('tv', masks), loss_type='tv', chunk_size=3,
+            segments=segments, target_logits=target @ weight.detach().t(),
+        )
     got = _grads(out, draft, weight)
     alpha, kl = depth_terms(target, list(draft), weight)
     objective('tv', alpha, kl, masks, 0.3).backward()
@@ -76,17 +79,18 @@ def test_target_logits_with_halo_rows_match_one_segment(storage):
 def test_rows_no_segment_covers_get_no_gradient_with_stored_logit_grads():
     draft, target, weight, masks = _inputs(1)
     masks[:, 5:] = 0
-    out = linear_tv_loss(
-        draft, target, weight, token_weights('tv', masks), segments=[TargetSegment(0, 5)],
-        grad_storage='logit_grads',
-    )
+    with forced_grad_storage('logit_grads'):
+        out = linear_tv_loss(
+            draft, target, weight, token_weights('tv', masks), segments=[TargetSegment(0, 5)],
+        )
     out.loss.backward()
     assert torch.all(draft.grad[:, 5:] == 0) and torch.isfinite(draft.grad).all()
 
 
 def test_stored_logit_grads_serve_a_second_backward():
     draft, target, weight, masks = _inputs(2)
-    out = linear_tv_loss(draft, target, weight, token_weights('tv', masks), grad_storage='logit_grads')
+    with forced_grad_storage('logit_grads'):
+        out = linear_tv_loss(draft, target, weight, token_weights('tv', masks))
     out.loss.backward(retain_graph=True)
     first = draft.grad.clone()
     draft.grad = None
@@ -94,13 +98,11 @@ def test_stored_logit_grads_serve_a_second_backward():
     torch.testing.assert_close(draft.grad, first)
 
 
-def test_bad_target_logits_and_storage_raise():
+def test_bad_target_logits_raise():
     draft, target, weight, masks = _inputs(1)
     w = token_weights('tv', masks)
     with pytest.raises(ValueError, match=r'target_logits shape \(7, 2, 12\)'):
         linear_tv_loss(draft, None, weight, w, target_logits=torch.zeros(S, B, V - 1))
-    with pytest.raises(ValueError, match=r"grad_storage='weights'; expected one of"):
-        linear_tv_loss(draft, target, weight, w, grad_storage='weights')
     with pytest.raises(ValueError, match='target_hidden shape None'):
         linear_tv_loss(draft, None, weight, w)
 

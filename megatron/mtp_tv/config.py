@@ -16,7 +16,6 @@ This module must not import Megatron: it is imported before Megatron is patched 
 import ast
 import inspect
 import math
-import os
 from dataclasses import dataclass
 from typing import Dict, Literal, get_args
 
@@ -87,20 +86,6 @@ class MTPLossConfig:
     """eta of the 'lk' loss, lambda = exp(-eta * alpha): 0 is 'kl', large values approach 'tv'.
     Must be >= 0 and finite."""
 
-    mtp_tv_target: Literal['main_logits', 'projection'] = 'main_logits'
-    """Where every loss but 'ce' reads the main model's distribution p. 'main_logits' (default):
-    from the logits GPTModel._postprocess computes for the main loss anyway, where it does (no
-    extra matrix product); elsewhere (an output_processor, fused linear cross-entropy, HybridModel,
-    mtp_tv_backward='recompute') the loss projects the main hidden states itself. 'projection':
-    always project them inside the loss (one more [tokens, h] x [h, V/tp] product per chunk; the
-    same numbers up to rounding, for comparison and debugging)."""
-
-    mtp_tv_backward: Literal['fused', 'recompute'] = 'fused'
-    """How every loss but Megatron's own 'ce' forms its gradients. 'fused' (default): in the forward pass, chunk
-    by chunk, keeping for backward the smaller of the fp32 gradients and the logit gradients.
-    'recompute': keep only the inputs and run the chunked loss again in backward (the projections
-    twice, slower; the same numbers up to the order of summation, for debugging)."""
-
     mtp_tv_kernels: Literal['auto', 'torch', 'triton'] = 'auto'
     """Row kernels of every loss but Megatron's own 'ce' (softmax, overlap, KL and logit gradient of each row over
     the vocabulary). 'auto' (default): the Triton kernels on CUDA fp32 logits, torch elsewhere;
@@ -123,18 +108,7 @@ class MTPLossConfig:
 
 
 #: The choices of the ``Literal`` fields other than ``mtp_loss_type``, read from their annotations.
-_CHOICES = {
-    name: get_args(MTPLossConfig.__annotations__[name])
-    for name in ('mtp_tv_target', 'mtp_tv_backward', 'mtp_tv_kernels')
-}
-
-#: Environment variables earlier versions read on every call, and the fields that replace them: a
-#: user who still sets one gets an error, not a setting silently ignored.
-_REPLACED_ENV = {
-    'MEGATRON_MTP_TV_MAIN_LOGITS': 'mtp_tv_target',
-    'MEGATRON_MTP_TV_FUSED': 'mtp_tv_backward',
-    'MEGATRON_MTP_TV_TRITON': 'mtp_tv_kernels',
-}
+_CHOICES = {name: get_args(MTPLossConfig.__annotations__[name]) for name in ('mtp_tv_kernels',)}
 
 
 def _is_real(value) -> bool:
@@ -184,12 +158,6 @@ def validate_mtp_loss_config(config) -> None:
         value = getattr(config, name, _CHOICES[name][0])
         if value not in _CHOICES[name]:
             raise ValueError(f"{name}={value!r} is not supported; choose one of {list(_CHOICES[name])}.")
-    for env, field in _REPLACED_ENV.items():
-        if env in os.environ:
-            raise ValueError(
-                f"{env}={os.environ[env]!r} is set, but this environment variable is no longer read: "
-                f"set the config field {field} (--{field.replace('_', '-')}) instead and unset {env}."
-            )
     for flag in ('mtp_log_acceptance', 'mtp_ce_chunked'):
         value = getattr(config, flag, False)
         if not isinstance(value, bool):

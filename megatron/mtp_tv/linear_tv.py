@@ -18,14 +18,14 @@ loss is a scalar and its gradient is fully known during the forward pass.
 Memory: tokens are processed in chunks (:func:`auto_chunk_tokens` by default). Inside a chunk the
 target rows ``t+1 .. t+chunk+G-1`` are shared by all depths (read from the main head's logits
 when the caller has them, else projected once), every depth's draft logits are projected, and
-(fused mode, the default) the analytic logit gradient
+the analytic logit gradient
 ``tv_coef * q * (dot - 1[q < p]) + kl_coef * (q - p)`` is turned into the hidden-state gradient and
 the weight gradient before the chunk's logits are freed. Live per chunk: ``(chunk + G - 1) +
 G * chunk`` rows of ``V/tp`` fp32 (the depths of a chunk are coupled by the end-to-end objective
 and share the collectives). Nothing of size V outlives a chunk; what is kept for backward is the
 hidden-state gradient ``[G, s, b, h]`` and the weight gradient ``[V/tp, h]`` (both fp32), and
-backward is a scalar multiply. The recompute mode keeps only the inputs and runs the same sweep
-again in backward (the projections twice), for debugging. Without gradients (``torch.no_grad``,
+backward is a scalar multiply (or, where that is smaller, the logit gradients and backward's two
+products: :func:`choose_grad_storage`). Without gradients (``torch.no_grad``,
 or inputs that do not require them: evaluation, metrics-only passes) the sweep forms no gradient
 at all: one projection per chunk.
 
@@ -57,8 +57,7 @@ chunk holds no valid token.
 No Megatron imports here.
 """
 
-import dataclasses
-from typing import Callable, Literal, NamedTuple, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -67,9 +66,6 @@ from .products import Products
 from .row_ops import ROW_KERNELS, RowKernels
 from .sweep import DenseGradients, StoredLogitGradients, SweepPlan, TargetSegment, sweep
 from .vocab_parallel import ProcessGroup
-
-GradStorage = Literal['auto', 'dense', 'logit_grads']
-_GRAD_STORAGES = ('auto', 'dense', 'logit_grads')
 
 
 class TVLossResult(NamedTuple):
@@ -94,7 +90,7 @@ class TVLossResult(NamedTuple):
 AUTO_CHUNK_MIN_BYTES = 64 * 2**20
 
 #: Live fp32 logits the automatic chunk may use, in units of the fp32 ``[V/tp, h]`` weight
-#: gradient the fused path holds anyway. Two, not one: a chunk's projection is one
+#: gradient the loss holds anyway. Two, not one: a chunk's projection is one
 #: ``[rows, h] x [h, V/tp]`` product, and one weight gradient's worth of rows (``h / (G + 1)``
 #: tokens) makes it short and wide enough to run measurably slower than the full-size product of
 #: the cross-entropy path (the ``mtp`` rows of ``tools/bench_loss.py`` show both chunks).
@@ -109,7 +105,7 @@ def auto_chunk_tokens(num_tokens: int, depths: int, hidden: int, vocab_local: in
     every depth's draft rows and the shared target rows, or ``depths * chunk`` without target
     rows (cross-entropy against the labels, ``target_rows=False``). The rule keeps
     ``(depths + 1) * chunk`` rows at most the larger of :data:`AUTO_CHUNK_WEIGHT_GRADS` (2)
-    times the ``[V/tp, hidden]`` fp32 weight gradient the fused path holds anyway and
+    times the ``[V/tp, hidden]`` fp32 weight gradient the loss holds anyway and
     :data:`AUTO_CHUNK_MIN_BYTES` (64 MiB), and at most half of the ``depths * num_tokens`` rows
     of softmax that Megatron's cross-entropy path saves for the same tokens
     (``chunk <= depths * num_tokens / (2 (depths + 1))``), so the loss never peaks above that
@@ -137,7 +133,7 @@ def choose_grad_storage(
     rows: int, hidden: int, vocab_local: int, dtype: torch.dtype, draft_grad: bool,
     weight_grad: bool,
 ) -> str:
-    """What the fused path keeps from forward to backward: the smaller of the two.
+    """What the loss keeps from forward to backward: the smaller of the two.
 
     ``'dense'`` holds the fp32 weight gradient ``[V/tp, h]`` and the fp32 hidden-state gradient
     ``[rows, h]`` (``rows = G * s * b``); ``'logit_grads'`` holds the ``[rows, V/tp]`` logit
@@ -164,11 +160,9 @@ def linear_tv_loss(
     logits_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     segments: Optional[Sequence[TargetSegment]] = None,
     labels: Optional[torch.Tensor] = None,
-    fused: bool = True,
     temperature: float = 1.0,
     metrics: bool = False,
     target_logits: Optional[torch.Tensor] = None,
-    grad_storage: GradStorage = 'auto',
     kernels: RowKernels = 'auto',
 ) -> TVLossResult:
     """A draft loss of G MTP depths against a detached target, chunked over tokens.
@@ -193,7 +187,6 @@ def linear_tv_loss(
         labels: ``[G, s, b]`` token ids: for greedy-accuracy counts (optional), and the
             targets of a loss against the labels (required there; ids outside ``[0, V)`` count
             as Megatron's cross-entropy counts them: a label logit of 0).
-        fused: compute gradients during forward (default) or recompute chunks in backward.
         temperature: verification temperature T > 0: p and q are softmax(logits / T). 1 for
             a loss against the labels (cross-entropy is at temperature 1).
         metrics: also compute the greedy agreement of draft and target argmax.
@@ -202,11 +195,6 @@ def linear_tv_loss(
             apply to them as to the draft logits); detached here. The sweep then reads the target
             rows instead of projecting them (one matrix product per chunk fewer); only the
             ``halo`` rows of the segments, which live on another rank, are projected here.
-        grad_storage: what the fused path keeps from forward to backward: ``'dense'`` the fp32
-            ``[V/tp, h]`` weight gradient and ``[G, s, b, h]`` hidden-state gradient, formed
-            chunk by chunk; ``'logit_grads'`` the ``[G, s, b, V/tp]`` logit gradients in the
-            weight's dtype, turned into both gradients by two products in backward; ``'auto'``
-            (default) the smaller of the two (:func:`choose_grad_storage`).
         kernels: the row kernels: ``'auto'`` (Triton on CUDA fp32 logits, else torch),
             ``'torch'`` or ``'triton'`` (required; :func:`.row_ops.select_row_ops`).
 
@@ -251,8 +239,6 @@ def linear_tv_loss(
         raise ValueError(f"temperature={temperature!r} must be a finite number > 0.")
     if kernels not in ROW_KERNELS:
         raise ValueError(f"kernels={kernels!r}; expected one of {list(ROW_KERNELS)}.")
-    if grad_storage not in _GRAD_STORAGES:
-        raise ValueError(f"grad_storage={grad_storage!r}; expected one of {_GRAD_STORAGES}.")
     if segments is None:
         segments = (TargetSegment(0, s),)
     tokens = chunk_size if chunk_size > 0 else auto_chunk_tokens(
@@ -274,19 +260,10 @@ def linear_tv_loss(
     target = target.detach() if target is not None else None
     token_weights = token_weights.detach().float()
     if torch.is_grad_enabled() and (draft_hidden.requires_grad or weight.requires_grad):
-        if not fused:
-            # Forward already returns the label hits and the argmax agreement: not again (the
-            # labels stay for a loss against them).
-            mode = Recompute(dataclasses.replace(
-                plan, labels=plan.labels if loss.needs_labels else None, metrics=False
-            ))
-        elif grad_storage == 'auto':
-            mode = BACKWARD_MODES[choose_grad_storage(
-                G * s * b, h, weight.shape[0], weight.dtype, draft_hidden.requires_grad,
-                weight.requires_grad,
-            )]()
-        else:
-            mode = BACKWARD_MODES[grad_storage]()
+        mode = BACKWARD_MODES[choose_grad_storage(
+            G * s * b, h, weight.shape[0], weight.dtype, draft_hidden.requires_grad,
+            weight.requires_grad,
+        )]()
         # The per-row results leave through a side channel, not as outputs of the Function:
         # autograd would keep outputs marked non-differentiable alive until backward.
         per_row = {}
@@ -305,8 +282,7 @@ def linear_tv_loss(
 # Backward modes: what forward keeps for backward, and how backward turns it into gradients.
 # ------------------------------------------------------------------------------------------------
 class DenseGradientsMode:
-    """Fused: the fp32 hidden-state and weight gradients are formed in forward; backward scales
-    them."""
+    """The fp32 hidden-state and weight gradients are formed in forward; backward scales them."""
 
     def forward_sink(self, draft_hidden, weight, plan, need_draft, need_weight):
         return DenseGradients(draft_hidden, weight, plan.segments, need_draft, need_weight)
@@ -322,8 +298,8 @@ class DenseGradientsMode:
 
 
 class StoredLogitGradientsMode:
-    """Fused: the logit gradients are kept in the weight's dtype; backward runs the two products
-    CE's backward also runs."""
+    """The logit gradients are kept in the weight's dtype; backward runs the two products CE's
+    backward also runs."""
 
     def forward_sink(self, draft_hidden, weight, plan, need_draft, need_weight):
         return StoredLogitGradients(draft_hidden, weight, plan.segments)
@@ -340,27 +316,7 @@ class StoredLogitGradientsMode:
         return grad_draft, grad_weight, grad_scale
 
 
-class Recompute:
-    """Forward keeps only the inputs; backward runs the sweep again with a dense sink (the
-    projections twice; for debugging)."""
-
-    def __init__(self, backward_plan: SweepPlan):
-        self.plan = backward_plan  # the sweep backward runs (the fused modes keep no plan)
-
-    def forward_sink(self, draft_hidden, weight, plan, need_draft, need_weight):
-        return None
-
-    def save(self, ctx, out, sink, draft_hidden, weight, target, token_weights):
-        ctx.save_for_backward(draft_hidden, weight, target, token_weights)
-
-    def gradients(self, ctx, need_draft, need_weight):
-        draft_hidden, weight, target, token_weights = ctx.saved_tensors
-        sink = DenseGradients(draft_hidden, weight, self.plan.segments, need_draft, need_weight)
-        out = sweep(draft_hidden, weight, target, token_weights, self.plan, sink)
-        return sink.draft, sink.weight, out.grad_scale
-
-
-#: The fused modes by ``grad_storage`` name (:func:`choose_grad_storage` picks one for 'auto').
+#: The backward modes by the name :func:`choose_grad_storage` gives.
 BACKWARD_MODES = {'dense': DenseGradientsMode, 'logit_grads': StoredLogitGradientsMode}
 
 

@@ -23,11 +23,8 @@ Megatron's own, bit for bit.
 
 Where no main logits follow, there is no target and the loss projects its own: a ``_postprocess``
 given an ``output_processor`` (it may never call the output layer), Megatron ``dev``'s fused linear
-cross-entropy (no logits are materialised), inference (``process_mtp_loss`` is not called there),
-models other than ``GPTModel`` (``HybridModel`` computes its MTP loss in ``forward``) and
-``mtp_tv_target='projection'``; the loss itself does not defer in the recompute mode
-(``mtp_tv_backward='recompute'`` would keep the logits for backward, and Megatron's
-cross-entropy overwrites them in place).
+cross-entropy (no logits are materialised), inference (``process_mtp_loss`` is not called there)
+and models other than ``GPTModel`` (``HybridModel`` computes its MTP loss in ``forward``).
 
 Imports only torch at module level: ``gpt_model.py`` imports this module in patch mode.
 """
@@ -74,8 +71,6 @@ class MainLogitsTarget:
         """A target for this ``_postprocess`` call of ``model``, or None where no main logits
         follow its MTP loss (see the module docstring)."""
         config = getattr(model, 'config', None)
-        if getattr(config, 'mtp_tv_target', 'main_logits') != 'main_logits':
-            return None
         if not getattr(config, 'mtp_num_layers', None) or not getattr(model, 'post_process', False):
             return None
         if getattr(model, 'output_layer', None) is None or output_processor is not None:
@@ -108,7 +103,7 @@ class MainLogitsTarget:
             raise RuntimeError(
                 'mtp_tv: GPTModel._postprocess projected the main hidden states twice; the MTP '
                 'loss was attached to the first projection, which may not reach the main loss. '
-                "Set mtp_tv_target='projection' to project the target inside the MTP loss."
+                'This _postprocess is not one mtp_tv knows: report the Megatron version.'
             )
         if self._sweep is None:
             return logits
@@ -124,7 +119,6 @@ class MainLogitsTarget:
             raise RuntimeError(
                 'mtp_tv: the MTP loss was deferred to the main logits of GPTModel._postprocess, '
                 'but its output layer never projected the main hidden states, so the MTP loss '
-                "was not computed. This _postprocess is not one mtp_tv knows; set "
-                "mtp_tv_target='projection' to project the target inside the MTP loss instead, "
-                'and report the Megatron version.'
+                'was not computed. This _postprocess is not one mtp_tv knows: report the '
+                'Megatron version.'
             )

@@ -152,10 +152,8 @@ def process_mtp_tv_loss(
 
     # Where GPTModel._postprocess projects the main head next (main_logits_target), the sweep
     # runs on those logits: the target is not projected twice. Not for the metrics pass (it runs
-    # under no_grad here, the main projection with gradients), nor in recompute mode (the logits
-    # would be kept for backward, and Megatron's CE overwrites them in place).
-    fused = getattr(config, 'mtp_tv_backward', 'fused') == 'fused'
-    deferred = (with_target and main_logits is None and fused and not metrics_only
+    # under no_grad here, the main projection with gradients).
+    deferred = (with_target and main_logits is None and not metrics_only
                 and main_logits_target is not None)
     # The target's hidden states serve the own projection and the context-parallel halos (rows
     # of another rank, projected here); from the main logits without CP they are not gathered.
@@ -184,7 +182,7 @@ def process_mtp_tv_loss(
             loss_type=loss_fn, chunk_size=config.mtp_tv_chunk, tp_group=tp_group,
             logits_fn=scale_logits_fn, segments=segments,
             labels=torch.stack(rolled.labels).transpose(1, 2) if is_training or loss_fn.needs_labels else None,
-            fused=fused, temperature=getattr(config, 'mtp_tv_temperature', 1.0),
+            temperature=getattr(config, 'mtp_tv_temperature', 1.0),
             metrics=is_training and with_target, target_logits=main_logits if with_target else None,
             kernels=getattr(config, 'mtp_tv_kernels', 'auto'),
         )

@@ -14,6 +14,7 @@ import torch
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES, CrossEntropy
 from megatron.mtp_tv.row_ops import TorchRowOps, TritonRowOps
+from mtp_tv_dev.models import forced_grad_storage
 from mtp_tv_dev.reference import depth_terms, objective, token_weights
 
 
@@ -23,7 +24,8 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def against_reference(device: str, kernels: str, quick: bool) -> List[Dict]:
     """fp32 loss and gradients of every loss on ``device`` vs the float64 CPU reference; 1 and
-    3 depths, several chunk sizes, fused and recompute."""
+    3 depths, several chunk sizes, either storage for backward (the gradients, or the logit
+    gradients)."""
     S, B, H, V = (9, 2, 16, 300) if quick else (37, 2, 32, 5003)
     rows = []
     for loss_type in LOSSES:
@@ -41,13 +43,14 @@ def against_reference(device: str, kernels: str, quick: bool) -> List[Dict]:
             ref = objective(loss_type, alpha, kl, masks, 0.3)
             ref.backward()
             for chunk in (0, 7, 64):
-                for fused in (True, False):
+                for storage in ('dense', 'logit_grads'):
                     d = draft.float().to(device).requires_grad_()
                     w = weight.float().to(device).requires_grad_()
-                    out = linear_tv_loss(d, target.float().to(device), w,
-                                         token_weights(loss_type, masks).float().to(device),
-                                         loss_type=loss_type, chunk_size=chunk, fused=fused,
-                                         temperature=temperature, kernels=kernels)
+                    with forced_grad_storage(storage):
+                        out = linear_tv_loss(d, target.float().to(device), w,
+                                             token_weights(loss_type, masks).float().to(device),
+                                             loss_type=loss_type, chunk_size=chunk,
+                                             temperature=temperature, kernels=kernels)
                     out.loss.backward()
                     errs = {'loss': abs(out.loss.item() - ref.item()),
                             'grad_draft': _max_err(d.grad, d_ref.grad),
@@ -56,7 +59,7 @@ def against_reference(device: str, kernels: str, quick: bool) -> List[Dict]:
                           and errs['grad_draft'] <= 1e-6 + 1e-3 * d_ref.grad.abs().max().item()
                           and errs['grad_weight'] <= 1e-6 + 1e-3 * w_ref.grad.abs().max().item())
                     rows.append({'check': 'reference', 'loss_type': loss_type, 'G': G,
-                                 'chunk': chunk, 'fused': fused, **errs, 'ok': ok})
+                                 'chunk': chunk, 'storage': storage, **errs, 'ok': ok})
     return rows
 
 

@@ -5,8 +5,7 @@ run as (and interleaved with) its cross-entropy baseline, so that the ratios sur
 machine:
 
 ``loss``  per-depth TV (``linear_tv_loss``, G=1, chunked) vs ``logits = hidden @ W^T`` followed
-          by Megatron's ``vocab_parallel_cross_entropy``, same hidden states and weight; fused and
-          recompute TV. Reports fwd+bwd time, peak extra memory and bytes saved for backward.
+          by Megatron's ``vocab_parallel_cross_entropy``, same hidden states and weight. Reports fwd+bwd time, peak extra memory and bytes saved for backward.
 ``mtp``   Megatron's own MTP path: ``process_mtp_loss`` through the installed plugin dispatcher
           with ``mtp_loss_type`` 'ce' / 'tv' / 'e2e_tv' (and, with one depth, 'kl', 'lk', 'nla' and
           'tv' at the automatic default chunk, ``tv-auto``), a real ``ColumnParallelLinear``
@@ -26,9 +25,9 @@ importable), the tree's own code, without ``install()`` (patch mode); the report
 
 Time is the median of ``--repeats`` fwd+bwd runs (after ``--warmup``); memory and saved bytes
 come from one extra untimed run under :mod:`~lossbench.memory`'s instruments. Targets
-(:mod:`~lossbench.report`) are printed with PASS/MISS as measured, never adjusted: ``loss`` fused
-TV <= 1.35x, any mode <= 2.5x; ``mtp`` 'tv' / 'kl' / 'lk' <= 1.10x at 4096 and 8192 tokens,
-'e2e_tv' with 3 depths <= 1.0x, 'nla' <= 1.4x, each with peak <= CE's (recompute: reference);
+(:mod:`~lossbench.report`) are printed with PASS/MISS as measured, never adjusted: ``loss`` TV
+<= 1.35x; ``mtp`` 'tv' / 'kl' / 'lk' <= 1.10x at 4096 and 8192 tokens,
+'e2e_tv' with 3 depths <= 1.0x, 'nla' <= 1.4x, each with peak <= CE's (the own target: reference);
 ``tp`` ratio <= 1.25x the TP=1 ratio; ``step`` <= 1.03x and peak <= CE's; ``wide`` peak <= CE's.
 
 Modules (imports go down this list): :mod:`~lossbench.memory` (the CPU memory instruments),

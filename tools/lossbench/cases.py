@@ -196,12 +196,10 @@ def loss_cases(s: int, h: int, V: int, chunk: int, tp_group, tp_rank: int, tp: i
     def ce():
         return ce_loss(into_tp(hidden), weight, labels) * ce_weights
 
-    def tv(fused):
-        def run():
-            draft = into_tp(hidden).unsqueeze(0)
-            return linear_tv_loss(draft, target, weight, tv_weights, 'tv', chunk_size=chunk,
-                                  tp_group=tp_group if tp > 1 else None, fused=fused).loss
-        return run
+    def tv():
+        draft = into_tp(hidden).unsqueeze(0)
+        return linear_tv_loss(draft, target, weight, tv_weights, 'tv', chunk_size=chunk,
+                              tp_group=tp_group if tp > 1 else None).loss
 
     def ce_products():
         return _CEProducts.apply(into_tp(hidden).view(s * b, h), weight)
@@ -211,8 +209,7 @@ def loss_cases(s: int, h: int, V: int, chunk: int, tp_group, tp_rank: int, tp: i
         return _TVProducts.apply(draft, target.view(s * b, h), weight, max(1, chunk // b) * b)
 
     leaves = [hidden, weight]
-    return {'ce': Case(ce, leaves), 'tv': Case(tv(True), leaves),
-            'tv-recompute': Case(tv(False), leaves),
+    return {'ce': Case(ce, leaves), 'tv': Case(tv, leaves),
             # The matrix products alone, same shapes, nothing else: the floor of each side.
             'ce-products': Case(ce_products, leaves), 'tv-products': Case(tv_products, leaves)}
 
@@ -352,7 +349,6 @@ def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
     cases = {
         'ce': Case(run(ce_config), leaves),
         tv_type: Case(run(tv_config), leaves),
-        f'{tv_type}-recompute': Case(run(config(tv_type, mtp_tv_backward='recompute')), leaves),
     }
     if main_logits is not None:  # the fallback: the loss projects its own target
         cases[f'{tv_type}-own'] = Case(run(tv_config, False), leaves)
