@@ -25,15 +25,17 @@ SLACK_BYTES = 4096
 
 VOCAB = 8192
 
-#: ``(hidden, tokens, depths)``: each shape at one and three depths, and one wide model at a
-#: short sequence (hidden 1792, 512 tokens: the tokens-to-hidden ratio of h 7168 at 2k tokens,
-#: where an earlier rule put the own projection's peak above CE's), where the ``[V, h]`` weight
-#: gradient and the chunk budget of two of them dominate both peaks.
+#: ``(hidden, tokens, depths)``: each shape at one and three depths, seven depths (a repeated MTP
+#: layer's chain, ``mtp_use_repeated_layer``: the loss sees the same hidden states as with seven
+#: layers) at two shapes, and one wide model at a short sequence (hidden 1792, 512 tokens: the
+#: tokens-to-hidden ratio of h 7168 at 2k tokens, where an earlier rule put the own projection's
+#: peak above CE's), where the ``[V, h]`` weight gradient and the chunk budget of two of them
+#: dominate both peaks.
 GRID = [
     (hidden, tokens, depths)
     for hidden, tokens in [(128, 512), (1024, 64), (1024, 512), (2048, 256)]
     for depths in (1, 3)
-] + [(1792, 512, 1)]
+] + [(128, 512, 7), (1024, 512, 7), (1792, 512, 1)]
 
 
 @pytest.mark.parametrize('hidden,tokens,depths', GRID)
