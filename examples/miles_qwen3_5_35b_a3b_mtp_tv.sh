@@ -14,10 +14,10 @@
 # Parallel layouts: both of the recipe's, tp2-cp2-ep8 (the default: TP=2 with sequence parallel,
 # CP=2, EP=8) and tp1-ep8. The loss is vocab-parallel over TP (with or without sequence
 # parallel), exchanges zigzag halos over CP, follows packed (THD) sequences as miles feeds them,
-# and runs on the last pipeline stage like Megatron's; EP does not touch the MTP loss.
-# Not supported: miles' --megatron-to-hf-mode bridge (its provider copies a fixed list of flags
-# and drops --mtp-loss-type), and, on miles-main-20260819, packed sequences with the contiguous
-# (non-zigzag) CP partition.
+# and runs on the last pipeline stage like Megatron's; EP does not touch the MTP loss. miles'
+# --megatron-to-hf-mode bridge works too (the provider's finalize() takes the MTP loss flags the
+# arguments ask for, and building the model raises where the two still differ), as do, on
+# miles-main-20260819, packed sequences with the contiguous CP partition (docs/miles.md).
 #
 #   MILES=~/miles MEGATRON_PATH=~/Megatron-LM bash examples/miles_qwen3_5_35b_a3b_mtp_tv.sh
 #   ... bash examples/miles_qwen3_5_35b_a3b_mtp_tv.sh --mode debug_minimal   # recipe options pass through
@@ -68,7 +68,7 @@ if [[ -z "$applied" ]]; then
 fi
 if [[ -z "$applied" ]]; then
     echo "no patch in $REPO/patches applies to $MEGATRON_PATH at $(git rev-parse --short HEAD);" \
-         "see the README section "Patches" (regenerate with tools/make_patches.py)" >&2
+         "see docs/patches.md (tools/make_patches.py --tree writes one for your checkout)" >&2
     exit 1
 fi
 

