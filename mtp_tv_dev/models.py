@@ -45,34 +45,56 @@ def random_batch(vocab: int, seq: int, batch: int, seed: int = 0, keep: float = 
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask
 
 
+def _loss_modules(name: str) -> list:
+    """Module ``name`` of every copy of the loss package this process has: this checkout's
+    ``megatron.mtp_tv`` and a patched tree's ``megatron.core.transformer.mtp_tv`` (in patch mode
+    they are one package in the test process, two in a spawned worker)."""
+    import importlib
+    import importlib.util
+
+    modules = []
+    for package in ('megatron.mtp_tv', 'megatron.core.transformer.mtp_tv'):
+        try:
+            found = importlib.util.find_spec(f'{package}.{name}') is not None
+        except ImportError:  # the parent package is missing
+            found = False
+        if found:
+            module = importlib.import_module(f'{package}.{name}')
+            if module not in modules:
+                modules.append(module)
+    return modules
+
+
 @contextlib.contextmanager
-def own_projection() -> Iterator[None]:
+def _patched(name: str, attribute: str, make) -> Iterator[None]:
+    """``<loss package>.<name>.<attribute> = make(original)`` in every copy, restored after."""
+    saved = []
+    for module in _loss_modules(name):
+        owner, _, attr = attribute.rpartition('.')
+        target = getattr(module, owner) if owner else module
+        saved.append((target, attr, target.__dict__[attr] if owner else getattr(target, attr)))
+        setattr(target, attr, make(saved[-1][2]))
+    try:
+        yield
+    finally:
+        for target, attr, original in saved:
+            setattr(target, attr, original)
+
+
+def own_projection():
     """While open, ``GPTModel._postprocess`` hands its MTP loss no main logits, so the TV losses
     project their target themselves, as they do where no main logits exist (``HybridModel``, an
     ``output_processor``): the other target source on the same model, for comparisons. Patch
-    mode too (``megatron.mtp_tv`` is then the patched tree's package)."""
-    from megatron.mtp_tv.main_logits import MainLogitsTarget
-
-    original = MainLogitsTarget.__dict__['for_postprocess']
-    MainLogitsTarget.for_postprocess = classmethod(lambda cls, model, output_processor=None: None)
-    try:
-        yield
-    finally:
-        MainLogitsTarget.for_postprocess = original
+    mode too (the patched tree's package as well as this checkout's)."""
+    return _patched('main_logits', 'MainLogitsTarget.for_postprocess',
+                    lambda original: classmethod(lambda cls, model, output_processor=None: None))
 
 
-@contextlib.contextmanager
-def forced_grad_storage(storage: str) -> Iterator[None]:
+def forced_grad_storage(storage: str):
     """While open, ``linear_tv_loss`` keeps ``storage`` (``'dense'`` or ``'logit_grads'``) for
     backward, whatever its shapes would choose (:func:`~megatron.mtp_tv.linear_tv.choose_grad_storage`)."""
-    from megatron.mtp_tv import linear_tv
-
-    original = linear_tv.choose_grad_storage
-    linear_tv.choose_grad_storage = lambda *args, **kwargs: storage
-    try:
-        yield
-    finally:
-        linear_tv.choose_grad_storage = original
+    return _patched('linear_tv', 'choose_grad_storage',
+                    lambda original: (lambda *args, **kwargs: storage))
 
 
 @contextlib.contextmanager
