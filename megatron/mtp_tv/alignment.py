@@ -22,7 +22,7 @@ masked by the rolled loss mask, so their target only has to be finite).
 Plain torch + torch.distributed; no Megatron imports.
 """
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -70,8 +70,28 @@ def target_segments(
     if layout == 'contiguous':
         return contiguous_target_segments(target_hidden, depth, cp_group)
 
-    bounds = _local_sequence_bounds(s_local, cp, cu_seqlens)
-    chunks = []  # (start, stop) of chunk "front" and "back" of every sequence, in order
+    chunks = _zigzag_chunks(_local_sequence_bounds(s_local, cp, cu_seqlens), depth, cp)
+    rank = group_rank(cp_group)
+    heads_front = [target_hidden[a : a + depth] for a, _, _, _ in chunks]
+    heads_back = [target_hidden[c : c + depth] for _, _, c, _ in chunks]
+    # front chunk r continues in front chunk r+1 (rank r+1); the last rank's front chunk
+    # continues in its own back chunk. back chunk 2cp-1-r continues in back chunk of rank r-1;
+    # rank 0's back chunk ends the sequence.
+    front_halos, back_halos = _exchange(heads_front, heads_back, rank, cp, cp_group)
+    segments = []
+    for i, (a, b_, c, d) in enumerate(chunks):
+        front = front_halos[i] if front_halos is not None else heads_back[i]
+        back = back_halos[i] if back_halos is not None else None
+        segments.append(TargetSegment(a, b_, front))
+        segments.append(TargetSegment(c, d, back))
+    return segments
+
+
+def _zigzag_chunks(bounds, depth: int, cp: int) -> List[Tuple[int, int, int, int]]:
+    """``(front start, front stop, back start, back stop)`` of every local sequence: the two
+    zigzag chunks of each, in order. Raises ValueError for a sequence that does not split into
+    two chunks of at least ``depth`` positions."""
+    chunks = []
     for lo, hi in bounds:
         length = hi - lo
         if length == 0:
@@ -89,21 +109,7 @@ def target_segments(
                 "sequences or a smaller context parallel size."
             )
         chunks.append((lo, lo + half, lo + half, hi))
-
-    rank = group_rank(cp_group)
-    heads_front = [target_hidden[a : a + depth] for a, _, _, _ in chunks]
-    heads_back = [target_hidden[c : c + depth] for _, _, c, _ in chunks]
-    # front chunk r continues in front chunk r+1 (rank r+1); the last rank's front chunk
-    # continues in its own back chunk. back chunk 2cp-1-r continues in back chunk of rank r-1;
-    # rank 0's back chunk ends the sequence.
-    front_halos, back_halos = _exchange(heads_front, heads_back, rank, cp, cp_group)
-    segments = []
-    for i, (a, b_, c, d) in enumerate(chunks):
-        front = front_halos[i] if front_halos is not None else heads_back[i]
-        back = back_halos[i] if back_halos is not None else None
-        segments.append(TargetSegment(a, b_, front))
-        segments.append(TargetSegment(c, d, back))
-    return segments
+    return chunks
 
 
 def contiguous_target_segments(

@@ -131,6 +131,13 @@ def validate_mtp_loss_config(config) -> None:
     Raises:
         ValueError: naming the bad value and what is allowed.
     """
+    _check_values(config)
+    _check_combination(config)
+
+
+def _check_values(config) -> None:
+    """Each field on its own: a known loss, a chunk, a temperature, the losses' own
+    hyper-parameters, the choices and the flags."""
     loss_type = getattr(config, 'mtp_loss_type', 'ce')
     if loss_type not in MTP_LOSS_TYPES:
         raise ValueError(
@@ -163,6 +170,13 @@ def validate_mtp_loss_config(config) -> None:
         value = getattr(config, flag, False)
         if not isinstance(value, bool):
             raise ValueError(f"{flag}={value!r} must be True or False.")
+
+
+def _check_combination(config) -> None:
+    """The fields together: the chunked cross-entropy's conditions, and MTP layers for a loss
+    that trains them."""
+    loss_type = getattr(config, 'mtp_loss_type', 'ce')
+    temperature = getattr(config, 'mtp_tv_temperature', 1.0)
     num_layers = getattr(config, 'mtp_num_layers', None)
     if getattr(config, 'mtp_ce_chunked', False):
         if not is_cross_entropy(loss_type):

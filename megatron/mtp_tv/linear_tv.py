@@ -64,7 +64,8 @@ import torch
 from .losses import DraftLoss, make_loss
 from .products import Products
 from .row_ops import ROW_KERNELS, RowKernels
-from .sweep import DenseGradients, StoredLogitGradients, SweepPlan, TargetSegment, sweep
+from .sweep import (DenseGradients, StoredLogitGradients, SweepOutput, SweepPlan, TargetSegment,
+                    sweep)
 from .vocab_parallel import ProcessGroup
 
 
@@ -202,6 +203,50 @@ def linear_tv_loss(
         :class:`TVLossResult`.
     """
     loss = loss_type if isinstance(loss_type, DraftLoss) else make_loss(loss_type)
+    _check_shapes(draft_hidden, target_hidden, weight, token_weights, loss, labels, target_logits,
+                  metrics)
+    _check_settings(loss, chunk_size, temperature, kernels)
+    G, s, b, h = draft_hidden.shape
+    tokens = chunk_size if chunk_size > 0 else auto_chunk_tokens(
+        s * b, G, h, weight.shape[0], target_rows=target_hidden is not None or target_logits is not None
+    )
+    plan = SweepPlan(
+        loss=loss,
+        positions_per_chunk=max(1, tokens // b),
+        tp_group=tp_group,
+        logits_fn=logits_fn,
+        segments=tuple(segments) if segments is not None else (TargetSegment(0, s),),
+        labels=labels,
+        inv_temperature=1.0 / float(temperature),
+        metrics=metrics,
+        target_is_logits=target_logits is not None,
+        kernels=kernels,
+    )
+    target = target_logits if target_logits is not None else target_hidden
+    target = target.detach() if target is not None else None
+    token_weights = token_weights.detach().float()
+    if torch.is_grad_enabled() and (draft_hidden.requires_grad or weight.requires_grad):
+        mode = BACKWARD_MODES[choose_grad_storage(
+            G * s * b, h, weight.shape[0], weight.dtype, draft_hidden.requires_grad,
+            weight.requires_grad,
+        )]()
+        # The per-row results leave through a slot, not as outputs of the Function: autograd
+        # would keep outputs marked non-differentiable alive until backward.
+        slot = _ResultSlot()
+        loss_value = _LinearTV.apply(draft_hidden, weight, target, token_weights, plan, mode, slot)
+        out = slot.value
+    else:  # evaluation or metrics only: no gradient work at all
+        out = sweep(draft_hidden, weight, target, token_weights, plan)
+        loss_value = out.loss
+    return TVLossResult(
+        loss_value, out.alpha, out.correct if labels is not None else None, out.per_depth,
+        out.agreement if metrics else None,
+    )
+
+
+def _check_shapes(draft_hidden, target_hidden, weight, token_weights, loss, labels, target_logits,
+                  metrics) -> None:
+    """ValueError unless the tensors have the shapes :func:`linear_tv_loss` documents."""
     if draft_hidden.dim() != 4:
         raise ValueError(f"draft_hidden must be [G, s, b, h], got shape {tuple(draft_hidden.shape)}.")
     G, s, b, h = draft_hidden.shape
@@ -231,6 +276,10 @@ def linear_tv_loss(
         raise ValueError(f"labels must have shape {(G, s, b)}, got {tuple(labels.shape)}.")
     if loss.needs_labels and labels is None:
         raise ValueError(f"the {loss.name!r} loss is against the labels: labels are required.")
+
+
+def _check_settings(loss, chunk_size, temperature, kernels) -> None:
+    """ValueError for a chunk, temperature or row-kernel choice :func:`linear_tv_loss` refuses."""
     if loss.needs_labels and temperature != 1.0:
         raise ValueError(f"temperature={temperature!r}: the {loss.name!r} loss is at temperature 1.")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 0:
@@ -239,43 +288,12 @@ def linear_tv_loss(
         raise ValueError(f"temperature={temperature!r} must be a finite number > 0.")
     if kernels not in ROW_KERNELS:
         raise ValueError(f"kernels={kernels!r}; expected one of {list(ROW_KERNELS)}.")
-    if segments is None:
-        segments = (TargetSegment(0, s),)
-    tokens = chunk_size if chunk_size > 0 else auto_chunk_tokens(
-        s * b, G, h, weight.shape[0], target_rows=target_hidden is not None or target_logits is not None
-    )
-    plan = SweepPlan(
-        loss=loss,
-        positions_per_chunk=max(1, tokens // b),
-        tp_group=tp_group,
-        logits_fn=logits_fn,
-        segments=tuple(segments),
-        labels=labels,
-        inv_temperature=1.0 / float(temperature),
-        metrics=metrics,
-        target_is_logits=target_logits is not None,
-        kernels=kernels,
-    )
-    target = target_logits if target_logits is not None else target_hidden
-    target = target.detach() if target is not None else None
-    token_weights = token_weights.detach().float()
-    if torch.is_grad_enabled() and (draft_hidden.requires_grad or weight.requires_grad):
-        mode = BACKWARD_MODES[choose_grad_storage(
-            G * s * b, h, weight.shape[0], weight.dtype, draft_hidden.requires_grad,
-            weight.requires_grad,
-        )]()
-        # The per-row results leave through a side channel, not as outputs of the Function:
-        # autograd would keep outputs marked non-differentiable alive until backward.
-        per_row = {}
-        loss_value = _LinearTV.apply(draft_hidden, weight, target, token_weights, plan, mode, per_row)
-        out = per_row['results']
-    else:  # evaluation or metrics only: no gradient work at all
-        out = sweep(draft_hidden, weight, target, token_weights, plan)
-        loss_value = out.loss
-    return TVLossResult(
-        loss_value, out.alpha, out.correct if labels is not None else None, out.per_depth,
-        out.agreement if metrics else None,
-    )
+
+
+class _ResultSlot:
+    """Where :class:`_LinearTV`'s forward leaves the sweep's per-row results."""
+
+    value: Optional[SweepOutput] = None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -324,13 +342,14 @@ class _LinearTV(torch.autograd.Function):
     """Scalar draft objective; what backward needs is set by the backward mode."""
 
     @staticmethod
-    def forward(ctx, draft_hidden, weight, target, token_weights, plan: SweepPlan, mode, per_row: dict):
+    def forward(ctx, draft_hidden, weight, target, token_weights, plan: SweepPlan, mode,
+                slot: _ResultSlot):
         need_draft, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         sink = mode.forward_sink(draft_hidden, weight, plan, need_draft, need_weight)
         out = sweep(draft_hidden, weight, target, token_weights, plan, sink)
         mode.save(ctx, out, sink, draft_hidden, weight, target, token_weights)
         ctx.mode, ctx.need = mode, (need_draft, need_weight)
-        per_row['results'] = out
+        slot.value = out
         return out.loss
 
     @staticmethod

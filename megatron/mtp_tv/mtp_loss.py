@@ -10,6 +10,7 @@ context-parallel boundaries and ``num_tokens`` are exactly those of the CE path)
 normalisation, ``calculate_per_token_loss``, ``MTPLossAutoScaler`` and the tracker.
 """
 
+import functools
 import inspect
 from typing import Callable, List, NamedTuple, Optional
 
@@ -142,25 +143,55 @@ def process_mtp_tv_loss(
     def roll(t, field, roll_depth):
         return _roll_once(t, cp_group, packed_seq_params, sequence_roll_context, field, roll_depth)
 
-    weight = _output_weight(output_layer, output_weight, config, loss_type)
     cp_layout = _cp_layout(packed_seq_params, cp_group, loss_type)
     rolled = _roll_per_depth(labels, input_ids, loss_mask, depth, roll)
     if rolled is None:  # neither labels nor input ids: nothing to train against
         return main_hidden
-    tp_group = tp_group if tp_group is not None else getattr(output_layer, 'tp_group', None)
-    token_weights = _token_weights(loss_fn, rolled, config)
-
     # Where GPTModel._postprocess projects the main head next (main_logits_target), the sweep
     # runs on those logits: the target is not projected twice. Not for the metrics pass (it runs
     # under no_grad here, the main projection with gradients).
     deferred = (with_target and main_logits is None and not metrics_only
                 and main_logits_target is not None)
-    # The target's hidden states serve the own projection and the context-parallel halos (rows
-    # of another rank, projected here); from the main logits without CP they are not gathered.
-    needs_target_hidden = with_target and ((main_logits is None and not deferred) or group_size(cp_group) > 1)
+    inputs = _sweep_inputs(
+        loss_fn, draft, main_hidden, rolled, config, output_layer, output_weight,
+        tp_group if tp_group is not None else getattr(output_layer, 'tp_group', None), cp_group,
+        packed_seq_params, cp_layout, with_target,
+        # the own projection's rows, and the context-parallel halos (another rank's rows)
+        needs_target_hidden=with_target and ((main_logits is None and not deferred)
+                                             or group_size(cp_group) > 1),
+    )
+    run = functools.partial(_sweep_and_log, inputs, config, scale_logits_fn, is_training,
+                            metrics_only)
+    if deferred:  # the sweep runs on the main logits the output layer projects next
+        main_logits_target.defer(main_hidden, run)
+        return main_hidden
+    loss = run(main_logits.detach() if main_logits is not None else None)
+    return main_hidden if metrics_only else _mtp.MTPLossAutoScaler.apply(main_hidden, loss)
+
+
+class _SweepInputs(NamedTuple):
+    """What the sweep of one micro-batch reads, prepared before the main logits exist."""
+
+    loss: DraftLoss
+    draft: Tensor
+    """``[D, s, b, h]`` in the vocab-parallel layout."""
+    target: Optional[Tensor]
+    """``[s, b, h]`` detached main hidden states, or None (no target, or none needed)."""
+    weight: Tensor
+    token_weights: Tensor
+    rolled: '_Rolled'
+    segments: List[TargetSegment]
+    tp_group: object
+    with_target: bool
+
+
+def _sweep_inputs(loss_fn, draft, main_hidden, rolled, config, output_layer, output_weight,
+                  tp_group, cp_group, packed_seq_params, cp_layout, with_target,
+                  needs_target_hidden) -> '_SweepInputs':
+    weight = _output_weight(output_layer, output_weight, config, config.mtp_loss_type)
     draft, target = _vocab_parallel_layout(
-        draft, main_hidden, depth, tp_group, bool(getattr(output_layer, 'sequence_parallel', False)),
-        needs_target_hidden,
+        draft, main_hidden, config.mtp_num_layers, tp_group,
+        bool(getattr(output_layer, 'sequence_parallel', False)), needs_target_hidden,
     )
     target = target if with_target else None  # cross-entropy without metrics: no target rows
     # Without context parallelism a sequence's targets are its own rows (the rolled masks stop
@@ -171,36 +202,36 @@ def process_mtp_tv_loss(
     else:
         zigzag_packed = packed_seq_params is not None and cp_layout == 'zigzag'
         cu_seqlens = packed_seq_params.cu_seqlens_q.tolist() if zigzag_packed else None
-        segments = target_segments(target, depth, cp_group, cu_seqlens, cp_layout)
+        segments = target_segments(target, config.mtp_num_layers, cp_group, cu_seqlens, cp_layout)
+    return _SweepInputs(loss_fn, draft, target, weight, _token_weights(loss_fn, rolled, config),
+                        rolled, segments, tp_group, with_target)
 
-    def sweep(main_logits: Optional[Tensor] = None) -> Tensor:
-        """The loss (and the tracker's metrics), from the main logits or projecting the target."""
-        if main_logits is not None:
-            main_logits = _local_vocab_shard(main_logits, weight.shape[0], tp_group)
-        result = linear_tv_loss(
-            draft, target if main_logits is None else None, weight, token_weights,
-            loss_type=loss_fn, chunk_size=config.mtp_tv_chunk, tp_group=tp_group,
-            logits_fn=scale_logits_fn, segments=segments,
-            labels=torch.stack(rolled.labels).transpose(1, 2) if is_training or loss_fn.needs_labels else None,
-            temperature=getattr(config, 'mtp_tv_temperature', 1.0),
-            metrics=is_training and with_target, target_logits=main_logits if with_target else None,
-            kernels=getattr(config, 'mtp_tv_kernels', 'auto'),
+
+def _sweep_and_log(inputs: _SweepInputs, config, scale_logits_fn, is_training: bool,
+                   metrics_only: bool, main_logits: Optional[Tensor] = None) -> Tensor:
+    """The loss (and the tracker's metrics), from the main logits or projecting the target."""
+    if main_logits is not None:
+        main_logits = _local_vocab_shard(main_logits, inputs.weight.shape[0], inputs.tp_group)
+    loss_fn, rolled = inputs.loss, inputs.rolled
+    result = linear_tv_loss(
+        inputs.draft, inputs.target if main_logits is None else None, inputs.weight,
+        inputs.token_weights, loss_type=loss_fn, chunk_size=config.mtp_tv_chunk,
+        tp_group=inputs.tp_group, logits_fn=scale_logits_fn, segments=inputs.segments,
+        labels=torch.stack(rolled.labels).transpose(1, 2) if is_training or loss_fn.needs_labels else None,
+        temperature=getattr(config, 'mtp_tv_temperature', 1.0),
+        metrics=is_training and inputs.with_target,
+        target_logits=main_logits if inputs.with_target else None,
+        kernels=getattr(config, 'mtp_tv_kernels', 'auto'),
+    )
+    if is_training:
+        save_acceptance_to_tracker(
+            alpha=result.alpha, masks=rolled.masks.transpose(1, 2),
+            greedy_correct=result.greedy_correct, greedy_agreement=result.greedy_agreement,
+            per_depth_loss=result.per_depth,
+            avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+            log_loss=not metrics_only,
         )
-        if is_training:
-            save_acceptance_to_tracker(
-                alpha=result.alpha, masks=rolled.masks.transpose(1, 2),
-                greedy_correct=result.greedy_correct, greedy_agreement=result.greedy_agreement,
-                per_depth_loss=result.per_depth,
-                avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
-                log_loss=not metrics_only,
-            )
-        return result.loss
-
-    if deferred:  # the sweep runs on the main logits the output layer projects next
-        main_logits_target.defer(main_hidden, sweep)
-        return main_hidden
-    loss = sweep(main_logits.detach() if main_logits is not None else None)
-    return main_hidden if metrics_only else _mtp.MTPLossAutoScaler.apply(main_hidden, loss)
+    return result.loss
 
 
 def _objective(config, loss_type: str, metrics_only: bool) -> DraftLoss:

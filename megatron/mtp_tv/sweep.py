@@ -313,11 +313,8 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
         out.record(chunk, row, terms, stats if plan.metrics else None)
         if sink is None:
             continue
-
-        if not one_pass_grad and (terms.tv_coef is not None or terms.kl_coef is not None):
-            for k, (p, q) in enumerate(pairs):
-                tv_coef, kl_coef = (c[k] * coef_scale if c is not None else None for c in (terms.tv_coef, terms.kl_coef))
-                ops.grad_(p, q, row.dot[k] if row.dot is not None else None, tv_coef, kl_coef)
+        if not one_pass_grad:
+            _write_grad(ops, pairs, terms, row.dot, coef_scale)
         if terms.label_coef is not None:
             for k in range(G):
                 draft = chunk.draft_rows(k)
@@ -331,6 +328,17 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
     if sink is not None:
         sink.finish()
     return SweepOutput(out.loss, out.alpha, out.correct, out.per_depth, out.agreement, grad_scale)
+
+
+def _write_grad(ops, pairs, terms, dot, coef_scale) -> None:
+    """Each depth's TV and KL logit gradient over its draft rows, once its sums are reduced over
+    the vocabulary (the coefficients need the whole row)."""
+    if terms.tv_coef is None and terms.kl_coef is None:
+        return
+    for k, (p, q) in enumerate(pairs):
+        tv_coef, kl_coef = (c[k] * coef_scale if c is not None else None
+                            for c in (terms.tv_coef, terms.kl_coef))
+        ops.grad_(p, q, dot[k] if dot is not None else None, tv_coef, kl_coef)
 
 
 class _RowSums(NamedTuple):
