@@ -21,14 +21,16 @@ from tests import test_parallel as tp  # noqa: E402
 def _model_rows():
     for loss_type, depth in (('tv', 2), ('e2e_tv', 3)):
         for tie in (True, False):
-            (ref, ref_logged, _), = spawn(tp._model_worker, 1, loss_type, depth, tie, False)
+            ((ref, ref_logged, _), _), = spawn(tp._model_worker, 1, loss_type, depth, tie, False)
             for sp in (False, True):
                 worst_grad = worst_loss = 0.0
-                for params, logged, _ in spawn(tp._model_worker, 2, loss_type, depth, tie, sp, tp=2):
-                    for name, full in params.items():
-                        if full.grad is not None:
-                            worst_grad = max(worst_grad, (full.grad - ref[name].grad).abs().max().item())
-                    worst_loss = max(worst_loss, (logged - ref_logged).abs().max().item())
+                for runs in spawn(tp._model_worker, 2, loss_type, depth, tie, sp, tp=2):
+                    for params, logged, _ in runs:  # both target sources
+                        for name, full in params.items():
+                            if full.grad is not None:
+                                worst_grad = max(worst_grad,
+                                                 (full.grad - ref[name].grad).abs().max().item())
+                        worst_loss = max(worst_loss, (logged - ref_logged).abs().max().item())
                 layout = f"TP=2{' +SP' if sp else ''} vs TP=1, {'tied' if tie else 'untied'}"
                 yield loss_type, layout, worst_loss, worst_grad
 
