@@ -81,13 +81,26 @@ def _patched(name: str, attribute: str, make) -> Iterator[None]:
             setattr(target, attr, original)
 
 
-def own_projection():
-    """While open, ``GPTModel._postprocess`` hands its MTP loss no main logits, so the TV losses
-    project their target themselves, as they do where no main logits exist (``HybridModel``, an
-    ``output_processor``): the other target source on the same model, for comparisons. Patch
-    mode too (the patched tree's package as well as this checkout's)."""
-    return _patched('main_logits', 'MainLogitsTarget.for_postprocess',
-                    lambda original: classmethod(lambda cls, model, output_processor=None: None))
+@contextlib.contextmanager
+def own_projection() -> Iterator[None]:
+    """While open, ``GPTModel._postprocess`` computes its MTP loss in ``process_mtp_loss``, before
+    the main logits exist, so the TV losses project their target themselves, as they do where no
+    main logits follow (``HybridModel``, an ``output_processor``): the other target source on the
+    same model, for comparisons. Patch mode too (the patched tree's package and ``gpt_model``'s
+    binding of the predicate, as well as this checkout's package)."""
+    import megatron.core.models.gpt.gpt_model as gpt_model
+
+    never = lambda original: (lambda *args, **kwargs: False)  # noqa: E731
+    with _patched('mtp_loss', 'mtp_loss_follows_main_logits', never):
+        name = 'mtp_loss_follows_main_logits'
+        bound = gpt_model.__dict__.get(name)  # patch mode: imported by name
+        if bound is not None:
+            setattr(gpt_model, name, never(bound))
+        try:
+            yield
+        finally:
+            if bound is not None:
+                setattr(gpt_model, name, bound)
 
 
 def forced_grad_storage(storage: str):
@@ -554,3 +567,13 @@ def compare_gathered(
                 diff = (a.float() - b.float()).abs().max().item()
                 problems.append(f"{name}.{kind}: max abs diff {diff:.3e}")
     return problems
+
+
+def mtp_loss_on_main_logits(main_logits, hidden_states, **process_mtp_loss_kwargs):
+    """What the patched ``GPTModel._postprocess`` does with ``process_mtp_loss``'s arguments:
+    split ``hidden_states`` ``[(1+D)s, b, h]``, then the MTP loss against ``main_logits`` attached
+    to them (returned)."""
+    from megatron.mtp_tv.mtp_loss import attach_mtp_tv_loss, split_mtp_hidden_states
+
+    main, drafts = split_mtp_hidden_states(hidden_states, process_mtp_loss_kwargs['config'])
+    return attach_mtp_tv_loss(main_logits, main, drafts, **process_mtp_loss_kwargs)

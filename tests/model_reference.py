@@ -15,8 +15,13 @@ from mtp_tv_dev.reference import depth_terms, objective, per_token_values, shift
 
 @contextlib.contextmanager
 def recorded_mtp_hidden(monkeypatch_target_modules=('megatron.core.models.gpt.gpt_model',)):
-    """Replace ``process_mtp_loss`` by a recorder; yields a dict with ``hidden`` [(1+D)s, b, h]."""
+    """Replace ``process_mtp_loss`` by a recorder; yields a dict with ``hidden`` [(1+D)s, b, h].
+
+    The model computes its MTP loss in ``process_mtp_loss`` meanwhile (``own_projection``), not
+    after the main logits, so that the recorder sees the hidden states."""
     import importlib
+
+    from mtp_tv_dev.models import own_projection
 
     record = {}
     saved = []
@@ -30,7 +35,8 @@ def recorded_mtp_hidden(monkeypatch_target_modules=('megatron.core.models.gpt.gp
         saved.append((module, module.process_mtp_loss))
         module.process_mtp_loss = recorder
     try:
-        yield record
+        with own_projection():
+            yield record
     finally:
         for module, fn in saved:
             module.process_mtp_loss = fn

@@ -1,4 +1,4 @@
-"""The TV losses' target from the main head's logits (megatron.mtp_tv.main_logits) through a real
+"""The TV losses' target from the main head's logits (megatron.mtp_tv.mtp_loss.attach_mtp_tv_loss) through a real
 megatron-core GPTModel: used where the main logits follow, Megatron's main loss untouched, and the
 own projection wherever they do not."""
 
@@ -9,7 +9,6 @@ import torch
 
 import megatron.mtp_tv
 from megatron.mtp_tv.losses import LOSSES
-from megatron.mtp_tv.main_logits import MainLogitsTarget
 from mtp_tv_dev.distributed import single_process
 from mtp_tv_dev.models import (build_gpt_with_mtp, forward_loss, own_projection, random_batch,
                                sweep_targets_seen)
@@ -116,10 +115,9 @@ def test_eval_uses_the_main_logits_without_gradients():
     assert seen == [True] and torch.isfinite(loss).all()
 
 
-def _process_mtp_tv_loss_kwargs(model, depth):
+def _process_mtp_loss_kwargs(model, depth):
     _, labels, mask = _batch()
     return dict(
-        hidden_states=torch.randn((1 + depth) * SEQ, BATCH, HIDDEN, requires_grad=True),
         labels=labels, loss_mask=mask, output_layer=model.output_layer,
         output_weight=model.shared_embedding_or_output_weight(), runtime_gather_output=None,
         is_training=True, compute_language_model_loss=model.compute_language_model_loss,
@@ -127,34 +125,44 @@ def _process_mtp_tv_loss_kwargs(model, depth):
     )
 
 
-def test_the_target_runs_the_deferred_loss_once_on_the_logits_it_is_given():
-    """What patch mode's _postprocess does with its MainLogitsTarget, step by step."""
-    from megatron.mtp_tv.mtp_loss import process_mtp_tv_loss
+def test_the_loss_on_the_main_logits_is_the_loss_on_its_own_projection():
+    """What the patched _postprocess does (split, project the main head, attach the loss to its
+    logits) gives the gradients of process_mtp_tv_loss, which projects the target itself."""
+    from megatron.mtp_tv.mtp_loss import (
+        attach_mtp_tv_loss, mtp_loss_follows_main_logits, process_mtp_tv_loss,
+        split_mtp_hidden_states)
 
-    model = _model('tv', depth=1)
-    kwargs = _process_mtp_tv_loss_kwargs(model, 1)
-    target = MainLogitsTarget.for_postprocess(model)
+    model = _model('tv', depth=2)
+    kwargs = _process_mtp_loss_kwargs(model, 2)
+    hidden = torch.randn(3 * SEQ, BATCH, HIDDEN, requires_grad=True)
+    assert mtp_loss_follows_main_logits(model)
+    assert not mtp_loss_follows_main_logits(model, output_processor=lambda **_: None)
     with sweep_targets_seen() as seen:
-        main_hidden = process_mtp_tv_loss(**kwargs, main_logits_target=target)
-        assert seen == [] and target.pending and target.main_hidden is main_hidden
-        with pytest.raises(RuntimeError, match='never projected the main hidden states'):
-            target.check()
-        logits, _ = model.output_layer(main_hidden, weight=kwargs['output_weight'])
-        attached = target.attach(logits)
-    assert seen == [True] and not target.pending and torch.equal(attached, logits)
-    attached.float().logsumexp(-1).sum().backward()
-    assert kwargs['hidden_states'].grad[SEQ:].abs().sum() > 0  # the MTP loss's gradient
-    with pytest.raises(RuntimeError, match='projected the main hidden states twice'):
-        target.attach(logits.detach())
-    assert MainLogitsTarget.for_postprocess(model, output_processor=lambda **_: None) is None
+        process_mtp_tv_loss(hidden_states=hidden, **kwargs).sum().backward()
+    own = hidden.grad.clone()
+    hidden.grad = None
+    with sweep_targets_seen() as seen_logits:
+        main, drafts = split_mtp_hidden_states(hidden, model.config)
+        logits, _ = model.output_layer(main, weight=kwargs['output_weight'])
+        attached = attach_mtp_tv_loss(logits, main, drafts, **kwargs)
+    assert seen == [False] and seen_logits == [True] and attached is logits
+    attached.sum().backward()
+    assert hidden.grad[2 * SEQ:].abs().sum() > 0  # the MTP loss's gradient reached depth 2
+    torch.testing.assert_close(hidden.grad[SEQ:], own[SEQ:], rtol=1e-5, atol=1e-8)
+    # the main rows: the gradient of what each path returned (main hidden states, logits), alone
+    main_head = torch.ones(SEQ, BATCH, VOCAB) @ kwargs['output_weight'].detach()
+    assert torch.equal(own[:SEQ], torch.ones_like(own[:SEQ]))
+    torch.testing.assert_close(hidden.grad[:SEQ], main_head, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match='main logits with 63 vocabulary entries'):
+        attach_mtp_tv_loss(torch.zeros(SEQ, BATCH, VOCAB - 1), main, drafts, **kwargs)
 
 
 @pytest.mark.plugin_only
-def test_a_deferred_loss_nobody_picks_up_is_an_error_in_plugin_mode():
+def test_a_loss_nobody_picks_up_is_an_error_in_plugin_mode():
     """The plugin's hook recognises the main projection by its input; a _postprocess whose
-    output layer never sees the main hidden states leaves the loss deferred: an error."""
+    output layer never sees the main hidden states leaves the loss uncomputed: an error."""
     model = _model('tv', depth=1)
-    # The output layer gets a copy of its input: not the main hidden states the loss deferred to.
+    # The output layer gets a copy of its input: not the main hidden states the loss waits for.
     model.output_layer.register_forward_pre_hook(lambda module, args: (args[0].clone(), *args[1:]))
     with pytest.raises(RuntimeError, match='never projected the main hidden states'):
         _step(model)
@@ -168,32 +176,6 @@ def test_the_plugin_wraps_postprocess_once():
     once = GPTModel._postprocess
     plugin._install_main_logits()
     assert GPTModel._postprocess is once and once.__mtp_tv_main_logits__
-
-
-def test_main_logits_given_to_process_mtp_tv_loss_replace_the_projection():
-    from megatron.mtp_tv.mtp_loss import process_mtp_tv_loss
-
-    model = _model('tv', depth=2)
-    _, labels, mask = _batch()
-    hidden = torch.randn(3 * SEQ, BATCH, HIDDEN, requires_grad=True)
-    weight = model.shared_embedding_or_output_weight()
-    kwargs = dict(
-        labels=labels, loss_mask=mask, output_layer=model.output_layer, output_weight=weight,
-        runtime_gather_output=None, is_training=True,
-        compute_language_model_loss=model.compute_language_model_loss, config=model.config,
-        tp_group=model.tp_group,
-    )
-    grads = []
-    for main_logits in (None, hidden[:SEQ].detach() @ weight.detach().t()):
-        with sweep_targets_seen() as seen:
-            out = process_mtp_tv_loss(hidden_states=hidden, main_logits=main_logits, **kwargs)
-        assert seen == [main_logits is not None]
-        out.sum().backward()
-        grads.append(hidden.grad.clone())
-        hidden.grad = None
-    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-8)
-    with pytest.raises(ValueError, match='main logits with 63 vocabulary entries'):
-        process_mtp_tv_loss(hidden_states=hidden, main_logits=torch.zeros(SEQ, BATCH, VOCAB - 1), **kwargs)
 
 
 def test_the_kernels_field_reaches_the_sweep(monkeypatch):

@@ -171,15 +171,15 @@ def _both_target_sources(process_mtp_loss, local_hidden, weight, loss_type, dept
              mtp.MTPLossLoggingHelper.tracker['loss_values'].clone())]
     # The target read from this rank's main logits (what GPTModel._postprocess hands over); the
     # halo rows of other ranks are still hidden states, projected by the loss.
-    from megatron.mtp_tv.mtp_loss import process_mtp_tv_loss
+    from mtp_tv_dev.models import mtp_loss_on_main_logits
 
     local_hidden.grad = layer.weight.grad = None
     mtp.MTPLossLoggingHelper.tracker.clear()
     main_logits = local_hidden.detach().chunk(1 + depth)[0] @ weight.t()
-    out = process_mtp_tv_loss(
-        hidden_states=local_hidden, output_layer=layer, output_weight=None,
+    out = mtp_loss_on_main_logits(
+        main_logits, hidden_states=local_hidden, output_layer=layer, output_weight=None,
         runtime_gather_output=None, is_training=True, compute_language_model_loss=None,
-        config=config, main_logits=main_logits, **inputs,
+        config=config, **inputs,
     )
     (out * 0).sum().backward()
     logged = mtp.MTPLossLoggingHelper.tracker['loss_values'].clone()

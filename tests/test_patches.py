@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 sys.path.insert(0, str(ROOT / 'tools'))  # the generator, tools/patchgen (tools/make_patches.py)
 
-from patchgen import cli, edits, layout, offline, package, render, sources, targets  # noqa: E402
+from patchgen import cli, edits, layout, offline, package, render, snippets, sources, targets  # noqa: E402
 
 FORK = os.environ.get('MTP_TV_MEGATRON_LM')
 needs_git = pytest.mark.skipif(shutil.which('git') is None, reason='git not installed')
@@ -204,30 +204,27 @@ def test_patched_dispatch_asks_the_package_which_code_computes_the_loss():
         assert not any('mtp_loss_type' in line for line in code), name
 
 
-MAIN_LOGITS_IMPORT = f'from {layout.TARGET_MODULE}.main_logits import MainLogitsTarget'
-
-
 def _section(text, path):
     """The lines of ``path``'s diff in a patch (hunk headers included)."""
     return text.split(f'diff --git a/{path} b/{path}\n', 1)[1].split('\ndiff --git ', 1)[0].split('\n')
 
 
 @pytest.mark.parametrize('name', sorted(targets.TARGETS))
-def test_every_patch_hands_the_main_logits_to_the_mtp_loss_as_arguments(name):
-    """In every committed patch, GPTModel._postprocess makes its MainLogitsTarget, passes it to the
-    MTP loss and gives it the logits of each main-head projection (the line right after it)."""
+def test_every_patch_runs_the_mtp_loss_on_the_main_logits_it_projects(name):
+    """In every committed patch, GPTModel._postprocess imports the loss on the main logits
+    after the tree's transformer imports, splits the hidden states where that loss applies, and
+    attaches it right after each main-head projection; the arguments check is in the MTP block."""
     target = targets.TARGETS[name]
     lines = _section(target.patch_path.read_text(), layout.GPT_FILE)
-    i = lines.index('+' + MAIN_LOGITS_IMPORT)
+    i = lines.index(f'+from {layout.TARGET_MODULE}.mtp_loss import (')
     assert lines[i - 1].startswith(' from megatron.core.transformer.'), lines[i - 1]
-    made = [l for l in lines if 'mtp_tv_main_logits = MainLogitsTarget.for_postprocess(' in l]
-    assert len(made) == 1 and made[0].startswith('+        ')
-    passed = [l for l in lines if l.startswith('+') and 'main_logits_target=mtp_tv_main_logits' in l]
-    assert len(passed) == 1, passed
-    attached = [j for j, l in enumerate(lines) if l.endswith('logits = mtp_tv_main_logits.attach(logits)')]
+    assert sum(l.startswith('+') and 'mtp_tv_drafts = None' in l for l in lines) == 1
+    assert sum(l.startswith('+') and 'mtp_loss_follows_main_logits(self' in l for l in lines) == 1
+    attached = [j for j, l in enumerate(lines) if l.endswith('if mtp_tv_drafts is not None:  '
+                                                             '# mtp_tv: the MTP loss against these main logits')]
     assert len(attached) == len(target.facts.main_logits_projections) > 0
     for j in attached:  # each right after the statement `logits, _ = self.output_layer(...)`
-        k = j - 2
+        k = j - 1
         while not lines[k].lstrip(' +').startswith('logits, _ = self.output_layer('):
             assert not lines[k].startswith('+'), lines[k]
             k -= 1
@@ -291,10 +288,11 @@ def _function(tree, cls, name):
 
 
 @pytest.mark.parametrize('name', sorted(targets.TARGETS))
-def test_patched_sources_pass_the_target_and_check_the_arguments_at_construction(name):
-    """In the patched files: _postprocess starts with its target, hands it to the MTP loss
-    call and attaches it right after every main projection; process_mtp_loss takes it (default
-    None); MultiTokenPredictionBlock.__init__ first checks Megatron's arguments."""
+def test_patched_sources_attach_the_loss_to_the_main_logits_and_check_the_arguments(name):
+    """In the patched files: _postprocess starts with no drafts, splits the hidden states in
+    place of the MTP loss where that loss runs on the main logits (with the call's own arguments
+    otherwise), and attaches it right after every main projection; MultiTokenPredictionBlock
+    .__init__ first checks Megatron's arguments."""
     import ast
 
     target = targets.TARGETS[name]
@@ -302,14 +300,16 @@ def test_patched_sources_pass_the_target_and_check_the_arguments_at_construction
         pytest.skip('set MTP_TV_MEGATRON_LM to clones holding the fork commits')
     patched = edits.patched_files(_pristine(target))
     gpt = ast.parse(patched[layout.GPT_FILE])
-    assert ast.unparse(next(n for n in gpt.body if isinstance(n, ast.ImportFrom)
-                            and n.module.endswith('main_logits'))) == MAIN_LOGITS_IMPORT
+    imported = next(n for n in gpt.body if isinstance(n, ast.ImportFrom)
+                    and n.module == f'{layout.TARGET_MODULE}.mtp_loss')
+    assert [a.name for a in imported.names] == list(snippets.GPT_IMPORTS)
     post = _function(gpt, 'GPTModel', '_postprocess')
-    assert ast.unparse(post.body[1]).startswith('mtp_tv_main_logits = MainLogitsTarget.for_postprocess(self')
-    calls = [n for n in ast.walk(post) if isinstance(n, ast.Call)
-             and ast.unparse(n.func) in ('process_mtp_loss', 'process_mtp_tv_loss')
-             and any(k.arg == 'main_logits_target' for k in n.keywords)]
-    assert len(calls) == 1
+    assert ast.unparse(post.body[1]) == 'mtp_tv_drafts = None'
+    splits = [n for n in ast.walk(post) if isinstance(n, ast.If)
+              and ast.unparse(n.test).startswith('mtp_loss_follows_main_logits(self')]
+    assert len(splits) == 1
+    assert ast.unparse(splits[0].body[0]).startswith(
+        'hidden_states, mtp_tv_drafts = split_mtp_hidden_states(hidden_states, self.config)')
     attached = 0
     for block in ast.walk(post):
         for field in ('body', 'orelse'):
@@ -318,17 +318,12 @@ def test_patched_sources_pass_the_target_and_check_the_arguments_at_construction
                 continue
             for statement, after in zip(statements, statements[1:] + [None]):
                 if ast.unparse(statement).startswith('logits, _ = self.output_layer('):
-                    assert ast.unparse(after) == (
-                        'if mtp_tv_main_logits is not None:\n'
-                        '    logits = mtp_tv_main_logits.attach(logits)'
-                    )
+                    text = ast.unparse(after)
+                    assert text.startswith('if mtp_tv_drafts is not None:\n    logits = '
+                                           'attach_mtp_tv_loss(logits, hidden_states, mtp_tv_drafts'), text
                     attached += 1
     assert attached == len(target.facts.main_logits_projections) > 0
     mtp = ast.parse(patched[layout.MTP_FILE])
-    if target.facts.process_mtp_loss_params is not None:
-        fn = _function(mtp, None, 'process_mtp_loss')
-        assert fn.args.args[-1].arg == 'main_logits_target'
-        assert ast.unparse(fn.args.defaults[-1]) == 'None'
     init = _function(mtp, 'MultiTokenPredictionBlock', '__init__')
     first = [ast.unparse(n) for n in init.body if not isinstance(n, ast.Expr)
              or not isinstance(n.value, ast.Constant)][:2]

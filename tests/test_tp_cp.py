@@ -24,7 +24,7 @@ def _tp_cp_worker(rank, loss_type, depth, s, seq_lengths, pad, main_logits_layou
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer import multi_token_prediction as mtp
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.mtp_tv.mtp_loss import process_mtp_tv_loss
+    from mtp_tv_dev.models import mtp_loss_on_main_logits
     from mtp_tv_dev.packed import make_packed_seq_params, zigzag_cp_index
 
     megatron.mtp_tv.install()
@@ -62,7 +62,7 @@ def _tp_cp_worker(rank, loss_type, depth, s, seq_lengths, pad, main_logits_layou
             out = mtp.process_mtp_loss(**inputs)
         else:  # this rank's shard, or the gathered vocabulary (gather_output / runtime gather)
             logits = main @ (weight if main_logits_layout == 'gathered' else shard).t()
-            out = process_mtp_tv_loss(**inputs, main_logits=logits)
+            out = mtp_loss_on_main_logits(logits, **inputs)
         (out * 0).sum().backward()  # only the MTP loss riding on MTPLossAutoScaler
         runs[source] = (local_hidden.grad.clone(), layer.weight.grad.clone(),
                         mtp.MTPLossLoggingHelper.tracker['loss_values'].clone())

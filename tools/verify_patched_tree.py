@@ -13,7 +13,7 @@ see mtp_tv_dev/patch_mode.py; only the CPU test support comes from this checkout
    them, and the tree's
    ``pyproject.toml`` package list includes ``megatron.core.transformer.mtp_tv`` (so a pip install
    of the patched tree carries it); ``GPTModel._postprocess`` has
-   its ``MainLogitsTarget`` passed to the MTP loss and attached after every main projection
+   the MTP loss attached to the main logits after every main projection
    (the TV losses' target from the main head's logits);
 2. the tree's own ``parse_args``, driven as miles drives it (``extra_args_provider`` resetting
    MTP defaults with miles' ``reset_arg``), knows ``--mtp-loss-type``/``--mtp-tv-chunk`` and
@@ -136,27 +136,26 @@ def _check_packaging(tree: Path) -> str:
 
 
 def _check_main_logits() -> str:
-    """GPTModel._postprocess hands the tree's MainLogitsTarget to the MTP loss and attaches it
-    after every main-head projection."""
+    """GPTModel._postprocess splits the hidden states where the MTP loss runs on the main
+    logits and attaches the tree's loss after every main-head projection."""
     import ast
 
     from megatron.core.models.gpt import gpt_model
-    from megatron.core.transformer.mtp_tv import main_logits
+    from megatron.core.transformer.mtp_tv import mtp_loss
 
-    assert getattr(gpt_model, 'MainLogitsTarget', None) is main_logits.MainLogitsTarget, (
-        "gpt_model.py does not import the tree's MainLogitsTarget"
+    assert getattr(gpt_model, 'attach_mtp_tv_loss', None) is mtp_loss.attach_mtp_tv_loss, (
+        "gpt_model.py does not import the tree's attach_mtp_tv_loss"
     )
     source = ast.parse(Path(gpt_model.__file__).read_text())
     cls = next(n for n in source.body if isinstance(n, ast.ClassDef) and n.name == 'GPTModel')
     post = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == '_postprocess')
     text = ast.unparse(post)
     projections = text.count('logits, _ = self.output_layer(')
-    attached = text.count('logits = mtp_tv_main_logits.attach(logits)')
-    assert 'mtp_tv_main_logits = MainLogitsTarget.for_postprocess(self' in text
-    assert text.count('main_logits_target=mtp_tv_main_logits') == 1
+    attached = text.count('logits = attach_mtp_tv_loss(logits, hidden_states, mtp_tv_drafts')
+    assert text.count('split_mtp_hidden_states(hidden_states, self.config)') == 1
     assert attached == projections > 0, (attached, projections)
-    return (f'ok: GPTModel._postprocess passes its MainLogitsTarget to the MTP loss and attaches '
-            f'it after its {projections} main projection(s)')
+    return (f'ok: GPTModel._postprocess runs the MTP loss on the main logits of its '
+            f'{projections} main projection(s)')
 
 
 def _check_cli():

@@ -1,23 +1,26 @@
-"""Megatron glue: the TV losses behind Megatron's ``process_mtp_loss``.
+"""Megatron glue: the losses behind Megatron's ``process_mtp_loss``.
 
-:func:`process_mtp_tv_loss` takes the arguments of
-``megatron.core.transformer.multi_token_prediction.process_mtp_loss`` (megatron-core 0.19.2);
-Megatron's function calls it for every ``mtp_loss_type`` but cross-entropy, and for
-cross-entropy with ``mtp_ce_chunked`` (the plugin wraps it, the patches edit it), and keeps its
-own code for ``'ce'``. Everything around the loss stays Megatron's:
-labels and loss mask are rolled with Megatron's ``roll_tensor`` (so masks, packed-sequence and
-context-parallel boundaries and ``num_tokens`` are exactly those of the CE path), the
-normalisation, ``calculate_per_token_loss``, ``MTPLossAutoScaler`` and the tracker.
+Megatron's ``process_mtp_loss`` keeps its own code for ``'ce'`` and hands every other
+``mtp_loss_type`` (and ``'ce'`` with ``mtp_ce_chunked``) to :func:`process_mtp_tv_loss`, which
+projects the target itself. ``GPTModel._postprocess`` projects the main head right after the
+MTP loss, and those logits are the target every TV-family loss needs: there the hidden states
+are split (:func:`split_mtp_hidden_states`), the main head projected, and the loss computed on
+its logits and attached to them (:func:`attach_mtp_tv_loss`), so the target is projected once.
+
+Everything around the loss stays Megatron's: labels and loss mask are rolled with Megatron's
+``roll_tensor`` (so masks, packed-sequence and context-parallel boundaries and ``num_tokens`` are
+exactly those of the CE path), the normalisation, ``calculate_per_token_loss``, the autoscaler's
+backward scale and the tracker.
 """
 
-import functools
 import inspect
-from typing import Callable, List, NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from megatron.core import parallel_state
+from megatron.core.config_logger import has_config_logger_enabled
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -25,13 +28,13 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer import multi_token_prediction as _mtp
 
 from .alignment import CP_LAYOUTS, target_segments
-from .config import is_cross_entropy, validate_mtp_loss_config
+from .config import is_cross_entropy, runs_megatron_ce, validate_mtp_loss_config
 from .linear_tv import linear_tv_loss
 from .losses import CrossEntropy, DraftLoss, loss_from_config
-from .main_logits import MainLogitsTarget
 from .metrics import save_acceptance_to_tracker
 from .sweep import TargetSegment
 from .vocab_parallel import group_size, vocab_range
+
 
 def _roll_once(
     tensor: Tensor, cp_group, packed_seq_params, roll_context=None, field=None, roll_depth=0
@@ -109,64 +112,160 @@ def process_mtp_tv_loss(
     input_ids: Optional[Tensor] = None,
     sequence_roll_context=None,
     metrics_only: bool = False,
-    main_logits: Optional[Tensor] = None,
-    main_logits_target: Optional[MainLogitsTarget] = None,
 ) -> Tensor:
-    """The ``'tv'`` / ``'e2e_tv'`` / ``'kl'`` / ``'lk'`` / ``'nla'`` MTP loss, or ``'ce'`` with
-    ``mtp_ce_chunked`` (see :mod:`megatron.mtp_tv.linear_tv`).
+    """Megatron's ``process_mtp_loss`` for every loss but Megatron's own ``'ce'``: the target
+    projected here from the main hidden states.
 
-    ``metrics_only`` computes and logs the acceptance metrics without attaching a loss (used for
-    ``mtp_log_acceptance`` with the CE loss, under ``torch.no_grad``). ``main_logits``
-    (``[s, b, V/tp]``, or the gathered vocabulary) are the main head's logits of the main hidden
-    states, if the caller has them: the target is then read from them instead of projected.
-    ``main_logits_target`` (from ``GPTModel._postprocess``, which projects the main head after
-    this loss) receives the sweep instead, to run it on those logits (see
-    :mod:`megatron.mtp_tv.main_logits`); None: the loss runs now. ``sequence_roll_context``
-    (NVIDIA dev, contiguous packed context parallelism) goes to every ``roll_tensor`` call as dev's
-    own loss passes it; the targets of that layout are aligned by
-    :func:`~megatron.mtp_tv.alignment.contiguous_target_segments`.
+    Where the caller projects the main head next (``GPTModel._postprocess``), it splits the
+    hidden states with :func:`split_mtp_hidden_states` instead and, once it has the main logits,
+    calls :func:`attach_mtp_tv_loss`, so the target is not projected twice.
+
+    Args:
+        hidden_states: ``[(1+D)s, b, h]``, the main rows then each depth's (Megatron's layout).
+        metrics_only: compute and log the acceptance metrics, attach no loss (Megatron's
+            ``'ce'`` with ``mtp_log_acceptance``, under ``torch.no_grad``).
+        The others: as ``process_mtp_loss``; ``sequence_roll_context`` (NVIDIA dev, contiguous
+        packed context parallelism) goes to every ``roll_tensor`` call.
+
+    Returns:
+        The main hidden states ``[s, b, h]``, the MTP loss attached (``MTPLossAutoScaler``).
     """
-    del compute_language_model_loss, runtime_gather_output  # the TV path never builds full logits
+    del runtime_gather_output, compute_language_model_loss  # the sweep never builds full logits
+    main_hidden, draft_hidden = split_mtp_hidden_states(hidden_states, config)
+    loss = _mtp_tv_loss(
+        main_hidden, draft_hidden, None, labels, loss_mask, output_layer, output_weight,
+        is_training, config, cp_group, tp_group, packed_seq_params, scale_logits_fn, input_ids,
+        sequence_roll_context, metrics_only,
+    )
+    if loss is None or metrics_only:
+        return main_hidden
+    return _mtp.MTPLossAutoScaler.apply(main_hidden, loss)
+
+
+def attach_mtp_tv_loss(
+    main_logits: Tensor,
+    main_hidden: Tensor,
+    draft_hidden: Tensor,
+    labels: Tensor,
+    loss_mask: Optional[Tensor],
+    output_layer: Callable,
+    output_weight: Optional[Tensor],
+    runtime_gather_output: Optional[bool],
+    is_training: bool,
+    compute_language_model_loss: Callable,
+    config,
+    cp_group=None,
+    tp_group=None,
+    packed_seq_params=None,
+    scale_logits_fn: Optional[Callable[[Tensor], Tensor]] = None,
+    input_ids: Optional[Tensor] = None,
+    sequence_roll_context=None,
+) -> Tensor:
+    """The MTP loss against the main head's own logits, attached to them.
+
+    ``GPTModel._postprocess`` calls this right after projecting the main head, with the two
+    parts of :func:`split_mtp_hidden_states` and the arguments it gives ``process_mtp_loss``.
+
+    Args:
+        main_logits: ``[s, b, V/tp]`` (or the gathered vocabulary): the target (detached here).
+        main_hidden: ``[s, b, h]`` the hidden states they were projected from.
+        draft_hidden: ``[D*s, b, h]`` every depth's hidden states.
+
+    Returns:
+        ``main_logits``, whose backward also starts the MTP loss's backward.
+    """
+    del runtime_gather_output, compute_language_model_loss
+    loss = _mtp_tv_loss(
+        main_hidden, draft_hidden, main_logits.detach(), labels, loss_mask, output_layer,
+        output_weight, is_training, config, cp_group, tp_group, packed_seq_params,
+        scale_logits_fn, input_ids, sequence_roll_context,
+    )
+    if loss is None or not (torch.is_grad_enabled() and loss.requires_grad):
+        return main_logits
+    return _AttachMTPLoss.apply(main_logits, loss)
+
+
+def split_mtp_hidden_states(hidden_states: Tensor, config) -> Tuple[Tensor, Tensor]:
+    """``([s, b, h] main rows, [D*s, b, h] draft rows)`` of ``[(1+D)s, b, h]``.
+
+    One split, as Megatron's ``torch.chunk``: in backward one node then assembles the
+    ``[(1+D)s, b, h]`` gradient; two views of the hidden states (a chunk and a slice) would each
+    build one of that size, and the loss would peak above cross-entropy's.
+    """
+    s_main = hidden_states.shape[0] // (1 + config.mtp_num_layers)
+    main, drafts = torch.split(hidden_states, [s_main, config.mtp_num_layers * s_main], dim=0)
+    return main, drafts
+
+
+def mtp_loss_follows_main_logits(model, output_processor=None) -> bool:
+    """Whether ``model._postprocess`` computes this micro-batch's MTP loss after projecting the
+    main head (:func:`attach_mtp_tv_loss`) rather than in ``process_mtp_loss``: a loss with a
+    target, on a model whose main logits follow its MTP loss exactly once.
+
+    Not with an ``output_processor`` (it may never call the output layer), Megatron dev's fused
+    linear cross-entropy (no logits are materialised) or the config logger (dev projects the
+    main head twice then, once for the log): there the loss projects its own target.
+    """
+    config = model.config
+    if not config.mtp_num_layers or runs_megatron_ce(config) or output_processor is not None:
+        return False
+    if getattr(model, 'fuse_linear_cross_entropy', False) or has_config_logger_enabled(config):
+        return False
+    if getattr(model, 'output_layer', None) is None or not getattr(model, 'post_process', False):
+        return False
+    validate_mtp_loss_config(config)  # a field assigned after construction: construction's error
+    return _objective(config, metrics_only=False).needs_target or (
+        model.training and getattr(config, 'mtp_log_acceptance', False)
+    )
+
+
+class _AttachMTPLoss(torch.autograd.Function):
+    """Identity on the main logits whose backward also starts the MTP loss's backward:
+    ``MTPLossAutoScaler`` (its scale too) for logits. The logits come back as the same tensor,
+    marked dirty, so that Megatron's cross-entropy may still work on them in place (as it does
+    on fp32 logits); a Function returning its input as a view would forbid that."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, mtp_loss: Tensor):
+        ctx.save_for_backward(mtp_loss)
+        ctx.mark_dirty(logits)
+        return logits
+
+    @staticmethod
+    def backward(ctx, grad_logits: Tensor):
+        (mtp_loss,) = ctx.saved_tensors
+        scale = _mtp.MTPLossAutoScaler.main_loss_backward_scale
+        return grad_logits, torch.ones_like(mtp_loss) * scale
+
+
+def _mtp_tv_loss(main_hidden, draft_hidden, main_logits, labels, loss_mask, output_layer,
+                 output_weight, is_training, config, cp_group, tp_group, packed_seq_params,
+                 scale_logits_fn, input_ids, sequence_roll_context,
+                 metrics_only=False) -> Optional[Tensor]:
+    """The scalar MTP loss (Megatron's ``scale * sum``), its metrics logged; None without
+    labels and input ids (nothing to train against)."""
     # Per call: a field assigned after construction gets construction's ValueError, not a KeyError.
     validate_mtp_loss_config(config)
-    depth, loss_type = config.mtp_num_layers, getattr(config, 'mtp_loss_type', 'ce')
-    loss_fn = _objective(config, loss_type, metrics_only)
+    loss_fn = _objective(config, metrics_only)
     # The main model's distribution: every TV-family loss compares with it; cross-entropy only
     # for the acceptance metrics (mtp_log_acceptance).
     with_target = loss_fn.needs_target or (is_training and getattr(config, 'mtp_log_acceptance', False))
-    # One split into the main rows and every depth's rows, as Megatron's torch.chunk: in
-    # backward one node then assembles the [(1+D)s, b, h] gradient; two views of hidden_states
-    # (a chunk and a slice) would each build one of that size, and the loss would peak above CE.
-    s_main = hidden_states.shape[0] // (1 + depth)
-    main_hidden, draft = torch.split(hidden_states, [s_main, depth * s_main], dim=0)
 
     def roll(t, field, roll_depth):
         return _roll_once(t, cp_group, packed_seq_params, sequence_roll_context, field, roll_depth)
 
-    cp_layout = _cp_layout(packed_seq_params, cp_group, loss_type)
-    rolled = _roll_per_depth(labels, input_ids, loss_mask, depth, roll)
-    if rolled is None:  # neither labels nor input ids: nothing to train against
-        return main_hidden
-    # Where GPTModel._postprocess projects the main head next (main_logits_target), the sweep
-    # runs on those logits: the target is not projected twice. Not for the metrics pass (it runs
-    # under no_grad here, the main projection with gradients).
-    deferred = (with_target and main_logits is None and not metrics_only
-                and main_logits_target is not None)
+    cp_layout = _cp_layout(packed_seq_params, cp_group, config.mtp_loss_type)
+    rolled = _roll_per_depth(labels, input_ids, loss_mask, config.mtp_num_layers, roll)
+    if rolled is None:
+        return None
     inputs = _sweep_inputs(
-        loss_fn, draft, main_hidden, rolled, config, output_layer, output_weight,
+        loss_fn, draft_hidden, main_hidden, rolled, config, output_layer, output_weight,
         tp_group if tp_group is not None else getattr(output_layer, 'tp_group', None), cp_group,
         packed_seq_params, cp_layout, with_target,
         # the own projection's rows, and the context-parallel halos (another rank's rows)
-        needs_target_hidden=with_target and ((main_logits is None and not deferred)
-                                             or group_size(cp_group) > 1),
+        needs_target_hidden=with_target and (main_logits is None or group_size(cp_group) > 1),
     )
-    run = functools.partial(_sweep_and_log, inputs, config, scale_logits_fn, is_training,
-                            metrics_only)
-    if deferred:  # the sweep runs on the main logits the output layer projects next
-        main_logits_target.defer(main_hidden, run)
-        return main_hidden
-    loss = run(main_logits.detach() if main_logits is not None else None)
-    return main_hidden if metrics_only else _mtp.MTPLossAutoScaler.apply(main_hidden, loss)
+    return _sweep_and_log(inputs, config, scale_logits_fn, is_training, metrics_only, main_logits)
 
 
 class _SweepInputs(NamedTuple):
@@ -234,10 +333,10 @@ def _sweep_and_log(inputs: _SweepInputs, config, scale_logits_fn, is_training: b
     return result.loss
 
 
-def _objective(config, loss_type: str, metrics_only: bool) -> DraftLoss:
+def _objective(config, metrics_only: bool) -> DraftLoss:
     """The loss the sweep computes: the config's, cross-entropy for ``'ce'`` with
     ``mtp_ce_chunked``, or ``'tv'``'s sums for the metrics-only pass of Megatron's ``'ce'``."""
-    if not is_cross_entropy(loss_type):
+    if not is_cross_entropy(config.mtp_loss_type):
         return loss_from_config(config)
     if getattr(config, 'mtp_ce_chunked', False) and not metrics_only:
         return CrossEntropy()

@@ -11,9 +11,10 @@
    function for ``'ce'``;
 3. makes ``MTPLossLoggingHelper.track_mtp_metrics`` log the acceptance metrics as well;
 4. wraps ``GPTModel._postprocess`` so that the TV losses take their target from the main logits
-   it computes anyway: the wrapper hands a :class:`~megatron.mtp_tv.main_logits.MainLogitsTarget`
-   to the loss (through a context variable read by the dispatcher of 2.) and a forward hook on
-   the output layer hands it the main logits (patch mode passes both as arguments instead);
+   it computes anyway, as the patched ``_postprocess`` does in its own code: where
+   :func:`~megatron.mtp_tv.mtp_loss.mtp_loss_follows_main_logits`, the dispatcher of 2. only
+   splits the hidden states (:class:`_MainLogitsLoss`, handed over in a context variable), and a
+   forward hook on the output layer computes the loss on the main logits and attaches it;
 5. tells :mod:`~megatron.mtp_tv.bridge` where Megatron's parsed arguments are (what a patched
    ``megatron/training/global_vars.py`` does when imported);
 6. checks, when a ``MultiTokenPredictionBlock`` is built, that its config holds the MTP loss
@@ -37,7 +38,6 @@ import torch
 
 from . import bridge
 from . import config as _config
-from .main_logits import MainLogitsTarget
 
 _lock = threading.Lock()
 _installed = False
@@ -79,13 +79,53 @@ TRACKER_APIS = {
 }
 
 #: ``process_mtp_tv_loss`` parameters that are not ``process_mtp_loss`` parameters.
-_TV_ONLY_PARAMS = ('metrics_only', 'main_logits', 'main_logits_target')
+_TV_ONLY_PARAMS = ('metrics_only',)
 
-#: The :class:`MainLogitsTarget` of the running ``GPTModel._postprocess`` (None outside one, or
-#: where no main logits follow): how the wrapped ``_postprocess`` hands it to the dispatcher.
-_MAIN_LOGITS_TARGET: contextvars.ContextVar = contextvars.ContextVar(
-    'mtp_tv_main_logits_target', default=None
-)
+
+class _MainLogitsLoss:
+    """The MTP loss of one ``GPTModel._postprocess`` call, between the split of its hidden states
+    and the projection of the main head: what the patched ``_postprocess`` keeps in locals."""
+
+    def __init__(self):
+        self.main_hidden = self.draft_hidden = None
+        self.kwargs: Dict = {}
+        self.attached = False
+
+    def split(self, hidden_states, **kwargs):
+        """The main hidden states, the MTP loss left for the logits projected from them."""
+        from .mtp_loss import split_mtp_hidden_states
+
+        self.main_hidden, self.draft_hidden = split_mtp_hidden_states(hidden_states, kwargs['config'])
+        self.kwargs = kwargs
+        return self.main_hidden
+
+    def attach(self, logits):
+        """The main logits with the MTP loss attached (:func:`~.mtp_loss.attach_mtp_tv_loss`)."""
+        from .mtp_loss import attach_mtp_tv_loss
+
+        if self.attached:
+            raise RuntimeError(
+                'mtp_tv: GPTModel._postprocess projected the main hidden states twice; the MTP '
+                'loss was attached to the first projection, which may not reach the main loss. '
+                'This _postprocess is not one mtp_tv knows: report the Megatron version.'
+            )
+        self.attached = True
+        return attach_mtp_tv_loss(logits, self.main_hidden, self.draft_hidden, **self.kwargs)
+
+    def check(self) -> None:
+        """Raise if the hidden states were split and the main head never projected from them."""
+        if self.main_hidden is not None and not self.attached:
+            raise RuntimeError(
+                'mtp_tv: the MTP loss waited for the main logits of GPTModel._postprocess, but '
+                'its output layer never projected the main hidden states, so the MTP loss was '
+                'not computed. This _postprocess is not one mtp_tv knows: report the Megatron '
+                'version.'
+            )
+
+
+#: The :class:`_MainLogitsLoss` of the running ``GPTModel._postprocess`` (None outside one, or
+#: where the loss does not follow the main logits): how the wrapper hands it to the dispatcher.
+_MAIN_LOGITS_LOSS: contextvars.ContextVar = contextvars.ContextVar('mtp_tv_main_logits_loss', default=None)
 
 
 class UnsupportedMegatronError(RuntimeError):
@@ -314,7 +354,10 @@ def _with_tv_losses(megatron_process_mtp_loss: Callable) -> Callable:
         bound = inspect.signature(megatron_process_mtp_loss).bind(*args, **kwargs).arguments
         config = bound['config']
         if not _config.runs_megatron_ce(config):
-            return process_mtp_tv_loss(**bound, main_logits_target=_MAIN_LOGITS_TARGET.get())
+            pending = _MAIN_LOGITS_LOSS.get()
+            if pending is not None and pending.main_hidden is None:
+                return pending.split(**bound)
+            return process_mtp_tv_loss(**bound)
         out = megatron_process_mtp_loss(*args, **kwargs)
         if getattr(config, 'mtp_log_acceptance', False) and bound.get('is_training'):
             with torch.no_grad():
@@ -339,8 +382,11 @@ def _install_metrics_logging() -> None:
 
 
 def _install_main_logits() -> None:
-    """What the patched ``_postprocess`` does with its explicit ``main_logits_target``, from outside."""
+    """What the patched ``_postprocess`` does in its own code, from outside: the MTP loss on the
+    logits of the main head's projection."""
     from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from . import mtp_loss
 
     original = GPTModel._postprocess
     if getattr(original, '__mtp_tv_main_logits__', False):
@@ -350,19 +396,19 @@ def _install_main_logits() -> None:
     @functools.wraps(original)
     def _postprocess(self, *args, **kwargs):
         output_processor = signature.bind_partial(self, *args, **kwargs).arguments.get('output_processor')
-        target = MainLogitsTarget.for_postprocess(self, output_processor)
-        if target is None:
+        if not mtp_loss.mtp_loss_follows_main_logits(self, output_processor):
             return original(self, *args, **kwargs)
+        pending = _MainLogitsLoss()
         hook = self.output_layer.register_forward_hook(
-            functools.partial(_attach_main_logits, target), with_kwargs=True
+            functools.partial(_attach_main_logits, pending), with_kwargs=True
         )
-        token = _MAIN_LOGITS_TARGET.set(target)
+        token = _MAIN_LOGITS_LOSS.set(pending)
         try:
             out = original(self, *args, **kwargs)
         finally:
-            _MAIN_LOGITS_TARGET.reset(token)
+            _MAIN_LOGITS_LOSS.reset(token)
             hook.remove()
-        target.check()
+        pending.check()
         return out
 
     _postprocess.__mtp_tv_main_logits__ = True
@@ -370,16 +416,16 @@ def _install_main_logits() -> None:
     GPTModel._postprocess = _postprocess
 
 
-def _attach_main_logits(target: MainLogitsTarget, module, args, kwargs, output):
-    """Forward hook of the output layer: the projection of the main hidden states goes through
-    ``target.attach`` (other projections, e.g. of an MTP depth, pass)."""
+def _attach_main_logits(pending: _MainLogitsLoss, module, args, kwargs, output):
+    """Forward hook of the output layer: the projection of the main hidden states gets the MTP
+    loss attached (other projections, e.g. of an MTP depth, pass)."""
     hidden = args[0] if args else kwargs.get('input_', kwargs.get('hidden_states'))
-    if target.main_hidden is None or hidden is not target.main_hidden:
+    if pending.main_hidden is None or hidden is not pending.main_hidden:
         return None
     # Megatron's parallel linear layers return (output, bias); a plain module its output.
     if isinstance(output, tuple):
-        return (target.attach(output[0]), *output[1:])
-    return target.attach(output)
+        return (pending.attach(output[0]), *output[1:])
+    return pending.attach(output)
 
 
 def _install_args_check() -> None:

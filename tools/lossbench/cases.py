@@ -69,10 +69,13 @@ def prepare_losses() -> str:
 
 def tv_target_source() -> str:
     """Where the measured TV losses take their target distribution from: ``'main logits'`` when
-    the loss package has a ``main_logits`` module (the TV losses reuse the main head's logits),
-    else ``'own projection'`` (they project the detached main hidden states themselves, one
-    more ``[tokens x h x V/tp]`` product per chunk pass)."""
-    return 'main logits' if _module_exists(f'{loss_package()}.main_logits') else 'own projection'
+    the loss package can attach its loss to the main head's logits (``attach_mtp_tv_loss``), else
+    ``'own projection'`` (they project the detached main hidden states themselves, one more
+    ``[tokens x h x V/tp]`` product per chunk pass)."""
+    import importlib
+
+    reads_logits = hasattr(importlib.import_module(f'{loss_package()}.mtp_loss'), 'attach_mtp_tv_loss')
+    return 'main logits' if reads_logits else 'own projection'
 
 
 def auto_chunk(num_tokens: int, depths: int, hidden: int, vocab_local: int,
@@ -324,7 +327,7 @@ def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
 
     # The main head's logits of the main hidden states: GPTModel._postprocess computes them for
     # the main loss right after the MTP loss, and the TV losses read their target from them
-    # (megatron.mtp_tv.main_logits). They exist in the step whatever the MTP loss, so they are
+    # (megatron.mtp_tv.mtp_loss.attach_mtp_tv_loss). They exist in the step whatever the MTP loss, so they are
     # made here, outside the measured region, and handed over as _postprocess hands them.
     main_logits = None
     if tv_target_source() == 'main logits':
@@ -340,8 +343,14 @@ def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
             config=cfg, cp_group=None, tp_group=tp_group, packed_seq_params=None,
         )
         if cfg.mtp_loss_type != 'ce' and from_main_logits and main_logits is not None:
-            process_mtp_tv_loss = loss_module('mtp_loss').process_mtp_tv_loss
-            return lambda: process_mtp_tv_loss(**kwargs, main_logits=main_logits)
+            mtp_loss = loss_module('mtp_loss')
+
+            def on_main_logits():  # what GPTModel._postprocess does, its main head projected
+                main, drafts = mtp_loss.split_mtp_hidden_states(kwargs['hidden_states'], cfg)
+                rest = {k: v for k, v in kwargs.items() if k != 'hidden_states'}
+                return mtp_loss.attach_mtp_tv_loss(main_logits, main, drafts, **rest)
+
+            return on_main_logits
         return lambda: gpt_model.process_mtp_loss(**kwargs)
 
     leaves = [hidden, output_layer.weight]

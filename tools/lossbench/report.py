@@ -268,7 +268,7 @@ def _render_step(rows: List[dict], env: dict, args: dict) -> List[str]:
         "is megatron's local `DotProductAttention` (no Transformer Engine on a CPU): its "
         "`[heads, s, s]` scores are the same in every case and part of every peak. "
         f"Measured: **{rows[0]['mode']} mode**, TV target from **{source}** "
-        f"(`{package}.main_logits` {'present' if source == 'main logits' else 'absent'}).",
+        f"(`{package}.mtp_loss.attach_mtp_tv_loss` {'present' if source == 'main logits' else 'absent'}).",
         "",
         "Products floor: `[tokens x h x V/tp]` matrix products per token, as a ratio vs CE's "
         "`3G + 3` (3 per MTP depth, 3 for the main head). A TV loss that projects its own target "

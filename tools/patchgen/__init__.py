@@ -19,17 +19,17 @@ time, written into the source so the feature is native there):
   ``mtp_*`` field, and ``carry_to_bridge_provider(self)`` and ``validate_mtp_loss_config(self)`` at the end of ``__post_init__``;
 * ``multi_token_prediction.py``: ``process_mtp_loss`` (where the tree has one) hands every loss
   type but ``'ce'`` (alias ``'cross_entropy'``, upstream's name) to ``process_mtp_tv_loss`` and
-  keeps its own code for those;
-  it takes a ``main_logits_target`` (default None) for them;
+  keeps its own code for ``'ce'``;
   ``MTPLossLoggingHelper.track_mtp_metrics`` logs the acceptance metrics first;
   ``MultiTokenPredictionBlock.__init__`` first checks that the config holds the MTP loss settings
   Megatron's parsed arguments ask for (``check_megatron_args``);
-* ``gpt_model.py``: ``GPTModel._postprocess`` makes a ``MainLogitsTarget`` (imported from
-  ``mtp_tv.main_logits`` after the tree's last ``megatron.core.transformer`` import), passes it
-  to the MTP loss and hands it the logits of every main-head projection, so the TV losses take
-  their target from the main head's logits; in trees whose MTP loss is inline in
-  ``_postprocess`` (radixark ``miles-main``) also the same dispatch as above there, fed exactly
-  what the inline ``'ce'`` code uses;
+* ``gpt_model.py``: where ``mtp_loss_follows_main_logits``, ``GPTModel._postprocess`` only
+  splits the hidden states at its ``process_mtp_loss`` call (``split_mtp_hidden_states``) and,
+  after each main-head projection, computes the MTP loss on those logits and attaches it to them
+  (``attach_mtp_tv_loss``, imported from ``mtp_tv.mtp_loss`` after the tree's last
+  ``megatron.core.transformer`` import), so the TV losses take their target from the main head's
+  logits; in trees whose MTP loss is inline in ``_postprocess`` (radixark ``miles-main``) the
+  same dispatch as above there, fed exactly what the inline ``'ce'`` code uses;
 * ``megatron/training/global_vars.py``: at its end, ``set_megatron_args_source(lambda:
   _GLOBAL_ARGS)``: the training side tells the core's guard and Bridge carry-over where the
   parsed arguments are (the core never reads ``megatron.training``).

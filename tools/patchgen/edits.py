@@ -9,16 +9,19 @@ diff.
 import ast
 from typing import Dict, List, Tuple
 
-from .facts import _find_class, _find_function, _inline_if, _postprocess, main_logits_projections
+from .facts import (
+    _find_class, _find_function, _inline_if, _postprocess, derive_facts, main_logits_projections,
+    process_mtp_loss_call,
+)
 from .layout import (
     CONFIG_FILE, GLOBAL_VARS_FILE, GPT_FILE, INLINE_CONDITION, MTP_FILE, TARGET_PACKAGE, PatchError,
 )
 from .package import field_names, shipped_modules
 from .snippets import (
-    CALL_KWARG_INDENT, MAIN_LOGITS_MODULE, snippet_attach, snippet_block_args_check,
-    snippet_call_kwarg, snippet_config_import, snippet_fields, snippet_global_vars, snippet_gpt_import,
-    snippet_inline_gpt, snippet_postprocess_target, snippet_process_mtp_loss,
-    snippet_process_mtp_loss_param, snippet_track_metrics, snippet_validate,
+    MTP_LOSS_MODULE, snippet_attach, snippet_block_args_check, snippet_config_import,
+    snippet_fields, snippet_global_vars, snippet_gpt_import, snippet_inline_gpt,
+    snippet_postprocess_start, snippet_process_mtp_loss, snippet_process_mtp_loss_call,
+    snippet_track_metrics, snippet_validate, snippet_wrapped_call,
 )
 
 
@@ -51,8 +54,9 @@ class Editor:
     def insert(self, index: int, new: List[str]) -> None:
         self.edits.append((index, index, new))
 
-    def replace(self, index: int, new: List[str]) -> None:
-        self.edits.append((index, index + 1, new))
+    def replace(self, index: int, new: List[str], stop: int = None) -> None:
+        """Lines ``index .. stop-1`` (default: the one line ``index``) become ``new``."""
+        self.edits.append((index, index + 1 if stop is None else stop, new))
 
     def _sorted(self):
         edits = sorted(self.edits, key=lambda e: (e[0], e[1]))
@@ -112,7 +116,6 @@ def _after_transformer_imports(tree: ast.Module, path: str) -> int:
 def edit_config(text: str) -> Editor:
     tree = ast.parse(text)
     ed = Editor(text)
-    lines = ed.lines
     if not any(
         isinstance(n, ast.ImportFrom) and n.module == 'typing' and any(a.name == 'Literal' for a in n.names)
         for n in tree.body
@@ -158,8 +161,8 @@ def _enclosing_function(root, target):
 
 def edit_mtp(text: str) -> Editor:
     """The metrics logging in ``track_mtp_metrics``; in ``process_mtp_loss`` (where the tree has
-    it) a ``main_logits_target`` parameter and the dispatch to the TV losses; the check of
-    Megatron's arguments first in ``MultiTokenPredictionBlock.__init__``."""
+    it) the dispatch to the TV losses; the check of Megatron's arguments first in
+    ``MultiTokenPredictionBlock.__init__``."""
     tree = ast.parse(text)
     ed = Editor(text)
     helper = _find_class(tree, 'MTPLossLoggingHelper')
@@ -175,14 +178,6 @@ def edit_mtp(text: str) -> Editor:
         missing = {'hidden_states', 'config', 'is_training'} - set(params)
         if missing:
             raise PatchError(f'{MTP_FILE}: process_mtp_loss lacks {sorted(missing)}')
-        last = (fn.args.args + fn.args.kwonlyargs)[-1]
-        if fn.args.vararg or fn.args.kwarg or not (
-            ed.lines[last.lineno - 1].rstrip().endswith(',')
-            and ed.lines[last.lineno].startswith(')')
-        ):
-            raise PatchError(f'{MTP_FILE}:{fn.lineno}: process_mtp_loss does not list one '
-                             'parameter per line, the last followed by `) -> ...`')
-        ed.insert(last.lineno, snippet_process_mtp_loss_param())
         ed.insert(_after_docstring(fn), snippet_process_mtp_loss(params))
     block = _find_class(tree, 'MultiTokenPredictionBlock')
     init = _find_function(block.body, '__init__')
@@ -193,26 +188,26 @@ def edit_mtp(text: str) -> Editor:
 
 
 def edit_gpt(text: str) -> Editor:
-    """In ``GPTModel._postprocess``: its :class:`MainLogitsTarget` first, handed to the MTP loss
-    (the ``process_mtp_loss`` call, or the dispatch before radixark miles-main's inline branch)
-    and given the logits of each main-head projection."""
+    """In ``GPTModel._postprocess``: no drafts split off at first; the ``process_mtp_loss`` call
+    (or radixark miles-main's inline branch) only splits the hidden states where the loss runs
+    on the main logits; the loss on the logits of each main-head projection."""
     tree = ast.parse(text)
     ed = Editor(text)
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.module == MAIN_LOGITS_MODULE:
-            raise PatchError(f'{GPT_FILE}:{node.lineno} already imports {MAIN_LOGITS_MODULE}: '
+        if isinstance(node, ast.ImportFrom) and node.module == MTP_LOSS_MODULE:
+            raise PatchError(f'{GPT_FILE}:{node.lineno} already imports {MTP_LOSS_MODULE}: '
                              'already patched?')
     ed.insert(_after_transformer_imports(tree, GPT_FILE), snippet_gpt_import())
 
     post = _postprocess(text)
     if post is None:
         raise PatchError(f'{GPT_FILE}: GPTModel has no _postprocess')
-    params = [a.arg for a in post.args.args]
-    ed.insert(_after_docstring(post), snippet_postprocess_target('output_processor' in params))
+    facts = derive_facts({GPT_FILE: text, MTP_FILE: ''})
+    ed.insert(_after_docstring(post), snippet_postprocess_start())
 
     node = _inline_if(text)
     if node is None:
-        ed.insert(_last_argument_line(ed, post), snippet_call_kwarg())
+        _wrap_process_mtp_loss_call(ed, post, facts)
     else:
         line = ed.lines[node.lineno - 1]
         if line.strip() != f'if {INLINE_CONDITION}:' or not line.startswith('        if'):
@@ -221,7 +216,7 @@ def edit_gpt(text: str) -> Editor:
         # keep the comment that introduces the branch right above it
         while ed.lines[index - 1].strip().startswith('#'):
             index -= 1
-        before, replace = snippet_inline_gpt()
+        before, replace = snippet_inline_gpt(facts.postprocess_output_processor)
         ed.insert(index, before)
         ed.replace(node.lineno - 1, replace)
 
@@ -229,7 +224,7 @@ def edit_gpt(text: str) -> Editor:
     if not projections:
         raise PatchError(f'{GPT_FILE}: GPTModel._postprocess has no `logits, _ = self.output_layer(...)`')
     for statement in projections:
-        ed.insert(statement.end_lineno, snippet_attach(statement.col_offset))
+        ed.insert(statement.end_lineno, snippet_attach(statement.col_offset, facts.process_mtp_loss_call))
     return ed
 
 
@@ -251,26 +246,20 @@ def edit_global_vars(text: str) -> Editor:
     return ed
 
 
-def _last_argument_line(ed: Editor, post) -> int:
-    """0-based index of the closing line of ``_postprocess``'s ``process_mtp_loss(...)`` call,
-    where the ``main_logits_target`` argument goes (after its keyword arguments, one per line)."""
-    calls = [
-        n for n in ast.walk(post)
-        if isinstance(n, ast.Call) and ast.unparse(n.func) == 'process_mtp_loss'
-    ]
-    if len(calls) != 1:
-        raise PatchError(f'{GPT_FILE}: GPTModel._postprocess calls process_mtp_loss {len(calls)} '
-                         'times (expected once)')
-    call = calls[0]
-    last = call.keywords[-1] if call.keywords else None
-    if (
-        call.args or last is None or ed.lines[call.end_lineno - 1].strip() != ')'
-        or not ed.lines[last.end_lineno - 1].startswith(CALL_KWARG_INDENT + last.arg + '=')
-        or not ed.lines[last.end_lineno - 1].rstrip().endswith(',')
-    ):
-        raise PatchError(f'{GPT_FILE}:{call.lineno}: the process_mtp_loss call does not pass '
-                         f'keyword arguments one per line at {len(CALL_KWARG_INDENT)} spaces')
-    return call.end_lineno - 1
+def _wrap_process_mtp_loss_call(ed: Editor, post, facts) -> None:
+    """``hidden_states = process_mtp_loss(...)`` goes under the ``else:`` of
+    :func:`~patchgen.snippets.snippet_wrapped_call`; the statement must read exactly as
+    :func:`~patchgen.snippets.snippet_process_mtp_loss_call` renders it from the facts (keyword
+    arguments one per line), so that the offline check can render the removed lines."""
+    call = process_mtp_loss_call(post)
+    statement = next(n for n in ast.walk(post) if isinstance(n, ast.Assign) and n.value is call)
+    expected = snippet_process_mtp_loss_call(facts.process_mtp_loss_call)
+    found = ed.lines[statement.lineno - 1 : statement.end_lineno]
+    if found != expected:
+        raise PatchError(f'{GPT_FILE}:{statement.lineno}: the process_mtp_loss call is not '
+                         '`hidden_states = process_mtp_loss(` with keyword arguments one per line')
+    ed.replace(statement.lineno - 1, snippet_wrapped_call(
+        facts.process_mtp_loss_call, facts.postprocess_output_processor), stop=statement.end_lineno)
 
 
 def megatron_edits(files: Dict[str, str]) -> Dict[str, Editor]:

@@ -30,7 +30,11 @@ class Facts:
     """Whether ``GPTModel._postprocess`` takes an ``output_processor`` (no main logits then)."""
     main_logits_projections: Tuple[int, ...]
     """The indentation of each ``logits, _ = self.output_layer(...)`` of ``GPTModel._postprocess``
-    (the main head's projections; the deferred MTP loss attaches to the first that runs)."""
+    (the main head's projections; the MTP loss attaches to the one that runs)."""
+    process_mtp_loss_call: Tuple[Tuple[str, str], ...] = ()
+    """``(keyword, source of its value)`` of each argument of ``_postprocess``'s
+    ``process_mtp_loss(...)`` call (empty with the inline loss): the patched ``_postprocess``
+    passes the same ones to ``attach_mtp_tv_loss``."""
 
 
 
@@ -79,12 +83,26 @@ def derive_facts(files: Dict[str, str]) -> Facts:
         main_logits_projections=tuple(
             node.col_offset for node in main_logits_projections(post)
         ) if post is not None else (),
+        process_mtp_loss_call=tuple(
+            (kw.arg, ast.get_source_segment(files[GPT_FILE], kw.value))
+            for kw in process_mtp_loss_call(post).keywords
+        ) if post is not None and _inline_if(files[GPT_FILE]) is None else (),
     )
 
 
 def _postprocess(text: str):
     """``GPTModel._postprocess`` of gpt_model.py's source (None if it has none)."""
     return _find_function(_find_class(ast.parse(text), 'GPTModel').body, '_postprocess')
+
+
+def process_mtp_loss_call(post) -> ast.Call:
+    """The one ``process_mtp_loss(...)`` call of ``_postprocess``."""
+    calls = [n for n in ast.walk(post)
+             if isinstance(n, ast.Call) and ast.unparse(n.func) == 'process_mtp_loss']
+    if len(calls) != 1:
+        raise PatchError(f'{GPT_FILE}: GPTModel._postprocess calls process_mtp_loss {len(calls)} '
+                         'times (expected once)')
+    return calls[0]
 
 
 def main_logits_projections(post) -> List[ast.Assign]:

@@ -38,6 +38,22 @@ _MILES_MAIN_PARAMS = (
     'runtime_gather_output', 'is_training', 'compute_language_model_loss', 'config', 'cp_group',
     'packed_seq_params',
 )
+#: ``_postprocess``'s ``process_mtp_loss(...)`` arguments (``Facts.process_mtp_loss_call``).
+_UPSTREAM_CALL = (
+    ('hidden_states', 'hidden_states'), ('labels', 'labels'), ('loss_mask', 'loss_mask'),
+    ('output_layer', 'self.output_layer'), ('output_weight', 'output_weight'),
+    ('runtime_gather_output', 'runtime_gather_output'), ('is_training', 'self.training'),
+    ('compute_language_model_loss', 'self.compute_language_model_loss'),
+    ('config', 'self.config'), ('cp_group', 'self.pg_collection.cp'), ('tp_group', 'self.tp_group'),
+    ('packed_seq_params', 'packed_seq_params'),
+    ('scale_logits_fn', 'self._scale_logits if self.config.use_mup else None'),
+    ('input_ids', 'input_ids'),
+)
+#: The same with dev's resolved context-parallel group and roll context.
+_DEV_CALL = tuple(
+    ('cp_group', 'mtp_cp_group') if k == 'cp_group' else (k, v) for k, v in _UPSTREAM_CALL
+    if k != 'scale_logits_fn' and k != 'input_ids'
+) + (('sequence_roll_context', 'sequence_roll_context'),) + _UPSTREAM_CALL[-2:]
 _ROLL_ONE = ('tensor', 'shifts', 'dims', 'cp_group', 'packed_seq_params')
 _ROLL_LIST = (
     'tensors', 'shifts', 'dims', 'cp_group', 'packed_seq_params', 'fill_values', 'roll_context',
@@ -60,6 +76,7 @@ TARGETS: Dict[str, Target] = {
                 process_mtp_loss_params=_UPSTREAM_PARAMS, inline_gpt_loss=False,
                 roll_tensor_params=_ROLL_ONE, tracker_api=_TRACKER_METRICS,
                 postprocess_output_processor=True, main_logits_projections=(8,),
+                process_mtp_loss_call=_UPSTREAM_CALL,
             ),
             file_sha256={
                 CONFIG_FILE: '3b0843377e6c827b1e2e389edec30392d3c288ab5c58d168167d0c85a26949ee',
@@ -96,6 +113,7 @@ TARGETS: Dict[str, Target] = {
                 process_mtp_loss_params=_UPSTREAM_PARAMS + ('sequence_roll_context',),
                 inline_gpt_loss=False, roll_tensor_params=_ROLL_LIST, tracker_api=_TRACKER_METRICS,
                 postprocess_output_processor=True, main_logits_projections=(12, 12),
+                process_mtp_loss_call=_DEV_CALL,
             ),
             commit='235952df607b3820716e5e67728a5ab470ca33ae',
         ),
@@ -107,6 +125,7 @@ TARGETS: Dict[str, Target] = {
                 process_mtp_loss_params=_UPSTREAM_PARAMS, inline_gpt_loss=False,
                 roll_tensor_params=_ROLL_ONE + ('return_sum',), tracker_api=_TRACKER_METRICS,
                 postprocess_output_processor=True, main_logits_projections=(8,),
+                process_mtp_loss_call=_UPSTREAM_CALL,
             ),
             commit='d98e8a64ddf34856e74b24714e3bedb2f5a39553',
             repo='NVIDIA/Megatron-LM',
@@ -118,6 +137,7 @@ TARGETS: Dict[str, Target] = {
                 process_mtp_loss_params=_UPSTREAM_PARAMS + ('sequence_roll_context',),
                 inline_gpt_loss=False, roll_tensor_params=_ROLL_LIST, tracker_api=_TRACKER_METRICS,
                 postprocess_output_processor=True, main_logits_projections=(12, 12),
+                process_mtp_loss_call=_DEV_CALL,
             ),
             commit='d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1',
             repo='NVIDIA/Megatron-LM',
