@@ -19,6 +19,7 @@ import torch
 import megatron.mtp_tv
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import CrossEntropy
+from megatron.mtp_tv.options import MTPLossOptions
 from mtp_tv_dev.distributed import spawn
 from mtp_tv_dev.models import forced_grad_storage, random_batch, sweep_targets_seen
 
@@ -55,8 +56,8 @@ def test_sweep_matches_float64_cross_entropy(chunk, grad_storage):
     token_weights = torch.rand(G, s, b, generator=g)
     x, w = draft.clone().requires_grad_(), weight.clone().requires_grad_()
     with forced_grad_storage(grad_storage) if grad_storage else contextlib.nullcontext():
-        out = linear_tv_loss(x, None, w, token_weights, loss_type=CrossEntropy(), chunk_size=chunk,
-                             labels=labels)
+        out = linear_tv_loss(x, None, w, token_weights,
+                             MTPLossOptions(CrossEntropy(), chunk_size=chunk), labels=labels)
     out.loss.backward()
     x64, w64 = draft.double().requires_grad_(), weight.double().requires_grad_()
     ref = _reference_ce(x64, w64, labels, token_weights.double())
@@ -82,16 +83,18 @@ def test_sweep_with_a_logit_function_and_the_metrics_from_a_target():
         return z * 0.7
 
     x, w = draft.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = linear_tv_loss(x, target, w, token_weights, loss_type=CrossEntropy(), chunk_size=3,
-                         labels=labels, logits_fn=logits_fn, metrics=True)
+    out = linear_tv_loss(x, target, w, token_weights,
+                         MTPLossOptions(CrossEntropy(), chunk_size=3, metrics=True),
+                         logits_fn=logits_fn, labels=labels)
     out.loss.backward()
     x64, w64 = draft.double().requires_grad_(), weight.double().requires_grad_()
     _reference_ce(x64, w64, labels, token_weights.double(), logits_fn).backward()
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-7)
     # The acceptance of the same chunks, against the target: what 'tv' reports for them.
-    tv = linear_tv_loss(draft, target, weight, token_weights, loss_type='tv', chunk_size=3,
-                        labels=labels, logits_fn=logits_fn, metrics=True)
+    tv = linear_tv_loss(draft, target, weight, token_weights,
+                        MTPLossOptions('tv', chunk_size=3, metrics=True), logits_fn=logits_fn,
+                        labels=labels)
     assert torch.equal(out.alpha, tv.alpha) and torch.equal(out.greedy_agreement, tv.greedy_agreement)
 
 
@@ -99,11 +102,13 @@ def test_sweep_refuses_what_cross_entropy_cannot_mean():
     x, w = torch.randn(1, 4, 1, 8), torch.randn(16, 8)
     weights, labels = torch.ones(1, 4, 1), torch.zeros(1, 4, 1, dtype=torch.long)
     with pytest.raises(ValueError, match='labels are required'):
-        linear_tv_loss(x, None, w, weights, loss_type=CrossEntropy())
+        linear_tv_loss(x, None, w, weights, MTPLossOptions(CrossEntropy()))
     with pytest.raises(ValueError, match='at temperature 1'):
-        linear_tv_loss(x, None, w, weights, loss_type=CrossEntropy(), labels=labels, temperature=0.5)
+        linear_tv_loss(x, None, w, weights, MTPLossOptions(CrossEntropy(), temperature=0.5),
+                       labels=labels)
     with pytest.raises(ValueError, match='metrics compare with a target'):
-        linear_tv_loss(x, None, w, weights, loss_type=CrossEntropy(), labels=labels, metrics=True)
+        linear_tv_loss(x, None, w, weights, MTPLossOptions(CrossEntropy(), metrics=True),
+                       labels=labels)
 
 
 # ---------------------------------------------------------------------------------- config

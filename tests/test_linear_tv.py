@@ -7,6 +7,7 @@ from megatron.mtp_tv.linear_tv import (
     AUTO_CHUNK_MIN_BYTES, AUTO_CHUNK_WEIGHT_GRADS, auto_chunk_tokens, linear_tv_loss,
 )
 from megatron.mtp_tv.losses import LOSSES, EndToEndTVLoss, make_loss
+from megatron.mtp_tv.options import MTPLossOptions
 from megatron.mtp_tv.row_ops import TorchRowOps
 from mtp_tv_dev.models import forced_grad_storage
 from mtp_tv_dev.reference import depth_terms, objective, token_weights
@@ -55,10 +56,8 @@ DE, LG = 'dense', 'logit_grads'  # what the loss keeps for backward (forced_grad
 def test_matches_reference(loss_type, G, chunk, storage, dtype):
     draft, target, weight, masks = _inputs(G, dtype=dtype)
     with forced_grad_storage(storage):
-        out = linear_tv_loss(
-            draft, target, weight, token_weights(loss_type, masks).to(dtype), loss_type=loss_type,
-            chunk_size=chunk,
-        )
+        out = linear_tv_loss(draft, target, weight, token_weights(loss_type, masks).to(dtype),
+                             MTPLossOptions(loss_type, chunk_size=chunk))
     out.loss.backward()
     got = (draft.grad.clone(), weight.grad.clone())
     draft.grad = weight.grad = None
@@ -86,7 +85,7 @@ def test_kl_lk_and_temperature_match_reference(loss_type, temperature, eta, G, c
     with forced_grad_storage(storage):
         out = linear_tv_loss(
             draft, target, weight, token_weights(loss_type, masks),
-            chunk_size=chunk, temperature=temperature, loss_type=_loss(loss_type, eta),
+            MTPLossOptions(_loss(loss_type, eta), chunk_size=chunk, temperature=temperature),
         )
     out.loss.backward()
     got = (draft.grad.clone(), weight.grad.clone())
@@ -105,7 +104,8 @@ def test_lk_with_eta_zero_is_kl_and_large_eta_approaches_tv():
     values = {}
     for name, loss_type, eta in (('kl', 'kl', 3.0), ('lk0', 'lk', 0.0), ('tv', 'tv', 3.0), ('lk_big', 'lk', 1e4)):
         d, w = draft.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
-        out = linear_tv_loss(d, target, w, token_weights(loss_type, masks), loss_type=_loss(loss_type, eta))
+        out = linear_tv_loss(d, target, w, token_weights(loss_type, masks),
+                             MTPLossOptions(_loss(loss_type, eta)))
         out.loss.backward()
         values[name] = (out.loss, d.grad, w.grad)
     for a, b in zip(values['kl'], values['lk0']):
@@ -117,8 +117,9 @@ def test_lk_with_eta_zero_is_kl_and_large_eta_approaches_tv():
 
 def test_e2e_equals_tv_for_one_depth():
     draft, target, weight, masks = _inputs(1)
-    tv = linear_tv_loss(draft, target, weight, token_weights('tv', masks), loss_type='tv')
-    e2e = linear_tv_loss(draft, target, weight, token_weights('e2e_tv', masks), loss_type='e2e_tv')
+    tv = linear_tv_loss(draft, target, weight, token_weights('tv', masks), MTPLossOptions('tv'))
+    e2e = linear_tv_loss(draft, target, weight, token_weights('e2e_tv', masks),
+                         MTPLossOptions('e2e_tv'))
     torch.testing.assert_close(tv.loss, e2e.loss)
 
 
@@ -126,7 +127,8 @@ def test_e2e_equals_tv_for_one_depth():
 def test_logits_fn_chain_rule():
     draft, target, weight, masks = _inputs(2)
     fn = lambda z: 0.37 * z  # noqa: E731  (MuP-style output scaling)
-    out = linear_tv_loss(draft, target, weight, token_weights('tv', masks), loss_type='tv', logits_fn=fn, chunk_size=3)
+    out = linear_tv_loss(draft, target, weight, token_weights('tv', masks),
+                         MTPLossOptions('tv', chunk_size=3), logits_fn=fn)
     out.loss.backward()
     got = weight.grad.clone()
     weight.grad = draft.grad = None
@@ -142,8 +144,8 @@ def test_logits_fn_returning_its_input_matches_no_logits_fn():
     results = []
     for fn in (None, lambda z: z):
         draft, target, weight, masks = _inputs(2, dtype=torch.float32)
-        out = linear_tv_loss(draft, target, weight, token_weights('e2e_tv', masks), loss_type='e2e_tv',
-                             logits_fn=fn, chunk_size=3)
+        out = linear_tv_loss(draft, target, weight, token_weights('e2e_tv', masks),
+                             MTPLossOptions('e2e_tv', chunk_size=3), logits_fn=fn)
         out.loss.backward()
         results.append((out.loss, draft.grad, weight.grad))
     for plain, through_fn in zip(*results):
@@ -175,7 +177,8 @@ def test_e2e_gradient_is_finite_when_an_alpha_is_zero():
     masks = torch.ones(2, 3, 1)
     masks[0, 2:] = 0
     masks[1, 1:] = 0
-    out = linear_tv_loss(draft, target, weight.requires_grad_(), token_weights('e2e_tv', masks), loss_type='e2e_tv')
+    out = linear_tv_loss(draft, target, weight.requires_grad_(), token_weights('e2e_tv', masks),
+                         MTPLossOptions('e2e_tv'))
     assert out.alpha[0, 0, 0].item() == 0.0
     out.loss.backward()
     assert torch.isfinite(draft.grad).all() and torch.isfinite(weight.grad).all()
@@ -183,7 +186,8 @@ def test_e2e_gradient_is_finite_when_an_alpha_is_zero():
 
 def test_detached_weight_gets_no_gradient_and_skips_weight_products():
     draft, target, weight, masks = _inputs(2)
-    out = linear_tv_loss(draft, target, weight.detach(), token_weights('tv', masks), loss_type='tv')
+    out = linear_tv_loss(draft, target, weight.detach(), token_weights('tv', masks),
+                         MTPLossOptions('tv'))
     out.loss.backward()
     assert weight.grad is None and draft.grad is not None
 
@@ -192,7 +196,9 @@ def test_detached_weight_gets_no_gradient_and_skips_weight_products():
 def test_upstream_gradient_scales_and_a_second_backward_is_refused_for_dense_gradients(storage):
     draft, target, weight, masks = _inputs(2)
     with forced_grad_storage(storage):
-        out = linear_tv_loss(draft, target, weight, token_weights('tv', masks), loss_type='tv')
+        out = linear_tv_loss(
+            draft, target, weight, token_weights('tv', masks), MTPLossOptions('tv'),
+        )
     ref, _ = _reference('tv', draft, target, weight, masks)
     (3.0 * out.loss).backward(retain_graph=True)
     got = draft.grad.clone(), weight.grad.clone()
@@ -214,18 +220,19 @@ def test_greedy_correct_counts_argmax_hits():
         argmax = torch.stack([(d @ weight.t()).argmax(-1) for d in draft])
     labels = argmax.clone()
     labels[:, ::2] = (labels[:, ::2] + 1) % V  # every other position wrong
-    out = linear_tv_loss(draft, target, weight, token_weights('tv', masks), loss_type='tv', labels=labels)
+    out = linear_tv_loss(draft, target, weight, token_weights('tv', masks), MTPLossOptions('tv'),
+                         labels=labels)
     assert torch.equal(out.greedy_correct, labels == argmax)
 
 
 def test_bad_shapes_raise():
     draft, target, weight, masks = _inputs(2)
     with pytest.raises(ValueError, match='token_weights'):
-        linear_tv_loss(draft, target, weight, masks[0], loss_type='tv')
-    with pytest.raises(ValueError, match="loss_type='ce'"):
-        linear_tv_loss(draft, target, weight, masks, loss_type='ce')
+        linear_tv_loss(draft, target, weight, masks[0], MTPLossOptions('tv'))
+    with pytest.raises(ValueError, match='labels are required'):
+        linear_tv_loss(draft, target, weight, masks, MTPLossOptions('ce'))
     with pytest.raises(ValueError, match='target_hidden'):
-        linear_tv_loss(draft, target[:-1], weight, masks, loss_type='tv')
+        linear_tv_loss(draft, target[:-1], weight, masks, MTPLossOptions('tv'))
 
 
 @TRITON
@@ -234,12 +241,14 @@ def test_greedy_agreement_compares_draft_and_target_argmax():
     with torch.no_grad():
         target_argmax = (target @ weight.t()).argmax(-1)  # [s, b]
         draft_argmax = torch.stack([(d @ weight.t()).argmax(-1) for d in draft])
-    out = linear_tv_loss(draft, target, weight, token_weights('kl', masks), loss_type='kl', metrics=True,
-                         chunk_size=3, temperature=0.5)
+    out = linear_tv_loss(draft, target, weight, token_weights('kl', masks),
+                         MTPLossOptions('kl', chunk_size=3, temperature=0.5, metrics=True))
     for k in range(2):
         expected = draft_argmax[k, : S - k - 1] == target_argmax[k + 1 :]
         assert torch.equal(out.greedy_agreement[k, : S - k - 1], expected)
-    assert linear_tv_loss(draft, target, weight, token_weights('kl', masks), loss_type='kl').greedy_agreement is None
+    assert linear_tv_loss(
+        draft, target, weight, token_weights('kl', masks), MTPLossOptions('kl'),
+    ).greedy_agreement is None
 
 
 @TRITON
@@ -249,7 +258,8 @@ def test_empty_local_sequence_gives_a_zero_loss_that_keeps_the_graph(loss_type, 
     draft = torch.randn(2, 0, 3, 8, requires_grad=True)
     weight = torch.randn(13, 8, requires_grad=True)
     weights = torch.zeros(0, 3) if loss_type == 'e2e_tv' else torch.zeros(2, 0, 3)
-    out = linear_tv_loss(draft, torch.randn(0, 3, 8), weight, weights, loss_type=loss_type, chunk_size=chunk)
+    out = linear_tv_loss(draft, torch.randn(0, 3, 8), weight, weights,
+                         MTPLossOptions(loss_type, chunk_size=chunk))
     assert out.loss.item() == 0.0 and out.loss.requires_grad and out.alpha.shape == (2, 0, 3)
     out.loss.backward()
     assert draft.grad.shape == draft.shape and not weight.grad.any()
@@ -270,7 +280,8 @@ def test_kl_stays_finite_when_the_draft_underflows_and_its_gradient_stays_exact(
     target = torch.tensor([[[1.0, 0.0, 0.0]], [[1.0, 0.0, 0.0]]])  # p ~ one-hot(0)
     draft = torch.tensor([[[[0.0, 2.0, 0.0]], [[0.0, 2.0, 0.0]]]], requires_grad=True)  # q ~ one-hot(1)
     masks = torch.tensor([[[1.0], [0.0]]])
-    out = linear_tv_loss(draft, target, weight.requires_grad_(), token_weights('kl', masks, 1.0), loss_type='kl')
+    out = linear_tv_loss(draft, target, weight.requires_grad_(), token_weights('kl', masks, 1.0),
+                         MTPLossOptions('kl'))
     assert torch.isfinite(out.loss) and out.loss.item() > 80.0
     out.loss.backward()
     p = torch.softmax(target[1, 0] @ weight.t(), -1)

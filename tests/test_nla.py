@@ -12,6 +12,7 @@ import torch
 
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES, make_loss
+from megatron.mtp_tv.options import MTPLossOptions
 from megatron.mtp_tv.row_ops import TorchRowOps
 from mtp_tv_dev.models import forced_grad_storage
 from mtp_tv_dev.reference import NLA_FLOOR, depth_terms, nla_values, objective, token_weights
@@ -56,7 +57,7 @@ def test_value_and_gradient_near_and_at_zero_acceptance_match_the_formula(storag
     draft, target, weight, masks = _far_apart_inputs(gaps)
     with forced_grad_storage(storage):
         out = linear_tv_loss(draft, target, weight, token_weights('nla', masks, 1.0),
-                             loss_type='nla', chunk_size=1)
+                             MTPLossOptions('nla', chunk_size=1))
     out.loss.backward()
     got = (draft.grad.clone(), weight.grad.clone())
     draft.grad = weight.grad = None
@@ -95,8 +96,8 @@ def test_one_hot_target_is_cross_entropy(temperature, storage):
     masks[0, -1] = 0
     weights = token_weights('nla', masks, 0.3)
     with forced_grad_storage(storage):
-        out = linear_tv_loss(draft, target, weight, weights, loss_type='nla',
-                             temperature=temperature, chunk_size=5)
+        out = linear_tv_loss(draft, target, weight, weights,
+                             MTPLossOptions('nla', chunk_size=5, temperature=temperature))
     out.loss.backward()
     got = (draft.grad.clone(), weight.grad.clone())
     draft.grad = weight.grad = None

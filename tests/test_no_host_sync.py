@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import megatron.mtp_tv
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES, CrossEntropy
+from megatron.mtp_tv.options import MTPLossOptions
 from megatron.mtp_tv.sweep import TargetSegment
 from mtp_tv_dev.reference import token_weights
 
@@ -122,15 +123,15 @@ def test_sweep_forward_and_backward_read_nothing_back(loss_type, given):
     draft, target, weight, masks, labels = _inputs(G)
     loss_fn = CrossEntropy() if loss_type == 'ce' else loss_type
     segments = [TargetSegment(0, 5, halo=target[5 : 5 + G]), TargetSegment(5, target.shape[0])]
-    kwargs = dict(loss_type=loss_fn, chunk_size=3, segments=segments, labels=labels,
-                  metrics=True)
+    options = MTPLossOptions(loss_fn, chunk_size=3, metrics=True)
+    kwargs = dict(segments=segments, labels=labels)
     if given == 'main_logits':
         kwargs['target_logits'] = target @ weight.detach().t()
     w = token_weights('tv' if loss_type == 'ce' else loss_type, masks)
 
     def run():
         out = linear_tv_loss(draft, None if given == 'main_logits' else target, weight, w,
-                             **kwargs)
+                             options, **kwargs)
         out.loss.backward()
         return out
 

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import megatron.mtp_tv
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES
+from megatron.mtp_tv.options import MTPLossOptions
 from mtp_tv_dev.distributed import single_process
 from mtp_tv_dev.models import build_gpt_with_mtp, forced_grad_storage, forward_loss
 from mtp_tv_dev.reference import token_weights
@@ -60,12 +61,12 @@ def test_products_in_eval_and_training(loss_type):
     G, chunk_positions = 2, 3
     draft, target, weight, masks = _inputs(G)
     chunks = 12 // chunk_positions
-    kwargs = dict(loss_type=loss_type, chunk_size=chunk_positions * 2)
+    options = MTPLossOptions(loss_type, chunk_size=chunk_positions * 2)
     with torch.no_grad(), counting() as evaluation:
-        linear_tv_loss(draft, target, weight, token_weights(loss_type, masks), **kwargs)
+        linear_tv_loss(draft, target, weight, token_weights(loss_type, masks), options)
     assert evaluation.count == chunks  # one projection per chunk, no gradient products
     with counting() as training:
-        out = linear_tv_loss(draft, target, weight, token_weights(loss_type, masks), **kwargs)
+        out = linear_tv_loss(draft, target, weight, token_weights(loss_type, masks), options)
         out.loss.backward()
     # projection + input grad + weight grad per chunk, every depth in each (fp32 weights)
     assert training.count == chunks * (1 + 2)
@@ -114,12 +115,15 @@ def test_target_logits_project_only_the_drafts(storage):
     G, chunk_positions = 2, 3
     draft, target, weight, masks = _inputs(G)
     chunks = 12 // chunk_positions
-    kwargs = dict(chunk_size=chunk_positions * 2, target_logits=target @ weight.detach().t())
+    options = MTPLossOptions('tv', chunk_size=chunk_positions * 2)
+    target_logits = target @ weight.detach().t()
     with torch.no_grad(), counting() as evaluation:
-        linear_tv_loss(draft, None, weight, token_weights('tv', masks), **kwargs)
+        linear_tv_loss(draft, None, weight, token_weights('tv', masks), options,
+                       target_logits=target_logits)
     assert evaluation.count == chunks  # the draft rows of every depth in one product per chunk
     with counting() as training, forced_grad_storage(storage):
-        out = linear_tv_loss(draft, None, weight, token_weights('tv', masks), **kwargs)
+        out = linear_tv_loss(draft, None, weight, token_weights('tv', masks), options,
+                             target_logits=target_logits)
         out.loss.backward()
     # dense: input grad + weight grad per chunk in forward, every depth in each; logit_grads:
     # both over all rows at once in backward.
@@ -136,7 +140,7 @@ def test_low_precision_weights_take_the_gradient_products_depth_by_depth():
     chunks = 12 // chunk_positions
     with counting() as training:
         out = linear_tv_loss(draft, target.bfloat16(), weight, token_weights('tv', masks),
-                             loss_type='tv', chunk_size=chunk_positions * 2)
+                             MTPLossOptions('tv', chunk_size=chunk_positions * 2))
         out.loss.backward()
     assert training.count == chunks * (1 + 2 * G)
 

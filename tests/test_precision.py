@@ -62,11 +62,13 @@ def test_fp16_gradients_are_not_flushed_to_zero():
     # The tiny normalisation (scale / num_tokens) is in the logit gradient before Megatron's loss
     # scale arrives; rounded to fp16 unscaled, most of a row's entries would underflow.
     from megatron.mtp_tv.linear_tv import linear_tv_loss
+    from megatron.mtp_tv.options import MTPLossOptions
 
     draft, main, weight, mask, _ = grad_precision.make_inputs(4096, 64, 2048, torch.float16)
     w = weight.clone().requires_grad_()
     token_weights = (mask * (0.1 / mask.sum()))[None, :, None]
-    linear_tv_loss(draft[None], main, w, token_weights, loss_type='tv').loss.mul(65536.0).backward()
+    out = linear_tv_loss(draft[None], main, w, token_weights, MTPLossOptions('tv'))
+    out.loss.mul(65536.0).backward()
     w64 = weight.double().requires_grad_()
     from mtp_tv_dev.reference import depth_terms, objective
 

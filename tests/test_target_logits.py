@@ -6,6 +6,7 @@ import torch
 
 from megatron.mtp_tv.linear_tv import TargetSegment, choose_grad_storage, linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES
+from megatron.mtp_tv.options import MTPLossOptions
 from mtp_tv_dev.models import forced_grad_storage
 from mtp_tv_dev.reference import depth_terms, objective, token_weights
 
@@ -44,8 +45,8 @@ def test_target_logits_and_stored_logit_grads_match_reference(loss_type, G, chun
     with forced_grad_storage(storage):
         out = linear_tv_loss(
             draft, None if given == 'logits' else target, weight, token_weights(loss_type, masks),
-            loss_type=loss_type, chunk_size=chunk, logits_fn=logits_fn, temperature=temperature,
-            **kwargs,
+            MTPLossOptions(loss_type, chunk_size=chunk, temperature=temperature),
+            logits_fn=logits_fn, **kwargs,
         )
     got = _grads(out, draft, weight)
     alpha, kl = depth_terms(target, list(draft), weight, logits_fn=logits_fn, temperature=temperature)
@@ -64,10 +65,9 @@ def test_target_logits_with_halo_rows_match_one_segment(storage):
     draft, target, weight, masks = _inputs(G, seed=1)
     segments = [TargetSegment(0, 4, halo=target[4 : 4 + G]), TargetSegment(4, S)]
     with forced_grad_storage(storage):
-        out = linear_tv_loss(
-            draft, None, weight, token_weights('tv', masks), loss_type='tv', chunk_size=3,
-            segments=segments, target_logits=target @ weight.detach().t(),
-        )
+        out = linear_tv_loss(draft, None, weight, token_weights('tv', masks),
+                             MTPLossOptions('tv', chunk_size=3), segments=segments,
+                             target_logits=target @ weight.detach().t())
     got = _grads(out, draft, weight)
     alpha, kl = depth_terms(target, list(draft), weight)
     objective('tv', alpha, kl, masks, 0.3).backward()
@@ -80,9 +80,8 @@ def test_rows_no_segment_covers_get_no_gradient_with_stored_logit_grads():
     draft, target, weight, masks = _inputs(1)
     masks[:, 5:] = 0
     with forced_grad_storage('logit_grads'):
-        out = linear_tv_loss(
-            draft, target, weight, token_weights('tv', masks), segments=[TargetSegment(0, 5)],
-        )
+        out = linear_tv_loss(draft, target, weight, token_weights('tv', masks),
+                             MTPLossOptions('tv'), segments=[TargetSegment(0, 5)])
     out.loss.backward()
     assert torch.all(draft.grad[:, 5:] == 0) and torch.isfinite(draft.grad).all()
 
@@ -90,7 +89,7 @@ def test_rows_no_segment_covers_get_no_gradient_with_stored_logit_grads():
 def test_stored_logit_grads_serve_a_second_backward():
     draft, target, weight, masks = _inputs(2)
     with forced_grad_storage('logit_grads'):
-        out = linear_tv_loss(draft, target, weight, token_weights('tv', masks))
+        out = linear_tv_loss(draft, target, weight, token_weights('tv', masks), MTPLossOptions('tv'))
     out.loss.backward(retain_graph=True)
     first = draft.grad.clone()
     draft.grad = None
@@ -102,9 +101,10 @@ def test_bad_target_logits_raise():
     draft, target, weight, masks = _inputs(1)
     w = token_weights('tv', masks)
     with pytest.raises(ValueError, match=r'target_logits shape \(7, 2, 12\)'):
-        linear_tv_loss(draft, None, weight, w, target_logits=torch.zeros(S, B, V - 1))
+        linear_tv_loss(draft, None, weight, w, MTPLossOptions('tv'),
+                       target_logits=torch.zeros(S, B, V - 1))
     with pytest.raises(ValueError, match='target_hidden shape None'):
-        linear_tv_loss(draft, None, weight, w)
+        linear_tv_loss(draft, None, weight, w, MTPLossOptions('tv'))
 
 
 def test_grad_storage_choice_holds_the_smaller_and_never_more_than_ce():

@@ -76,6 +76,7 @@ CHUNKED_CE = 'ce_chunked'
 def package_loss_error(loss_type, draft, main, weight, mask, loss_scale, chunk=0, variant='own'):
     """Relative errors (draft, weight) of ``linear_tv_loss`` in the inputs' dtype."""
     from megatron.mtp_tv.linear_tv import linear_tv_loss
+    from megatron.mtp_tv.options import MTPLossOptions
     from mtp_tv_dev.models import forced_grad_storage
 
     if variant not in VARIANTS:
@@ -88,8 +89,8 @@ def package_loss_error(loss_type, draft, main, weight, mask, loss_scale, chunk=0
         kwargs['target_logits'] = torch.matmul(main, weight.t())  # [t, 1, V] in the model dtype
     storage = forced_grad_storage('logit_grads') if variant == 'logit_grads' else contextlib.nullcontext()
     with storage:
-        out = linear_tv_loss(d[None], main, w, token_weights, loss_type=loss_type,
-                             chunk_size=chunk, **kwargs)
+        out = linear_tv_loss(d[None], main, w, token_weights,
+                             MTPLossOptions(loss_type, chunk_size=chunk), **kwargs)
     (out.loss * loss_scale).backward()
     d64, w64 = draft.double().requires_grad_(), weight.double().requires_grad_()
     # The target is the main model's distribution as the loss receives it: from the main
@@ -114,12 +115,13 @@ def chunked_ce_error(draft, weight, mask, labels, loss_scale, variant='own'):
     target is read, so ``'main_logits'`` is ``'own'``)."""
     from megatron.mtp_tv.linear_tv import linear_tv_loss
     from megatron.mtp_tv.losses import CrossEntropy
+    from megatron.mtp_tv.options import MTPLossOptions
     from mtp_tv_dev.models import forced_grad_storage
 
     d, w = draft.clone().requires_grad_(), weight.clone().requires_grad_()
     token_weights = (mask * (SCALE / mask.sum()))[None, :, None]
     with forced_grad_storage('logit_grads' if variant == 'logit_grads' else 'dense'):
-        out = linear_tv_loss(d[None], None, w, token_weights, loss_type=CrossEntropy(),
+        out = linear_tv_loss(d[None], None, w, token_weights, MTPLossOptions(CrossEntropy()),
                              labels=labels[None, :, None])
     (out.loss * loss_scale).backward()
     d64, w64 = draft.double().requires_grad_(), weight.double().requires_grad_()

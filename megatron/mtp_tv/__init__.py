@@ -18,6 +18,7 @@ import importlib.util
 
 from .config import MTP_LOSS_TYPES, MTPLossConfig, validate_mtp_loss_config
 from .linear_tv import TargetSegment, TVLossResult, linear_tv_loss
+from .options import MTPLossOptions
 
 
 def _is_native() -> bool:
@@ -46,6 +47,6 @@ def is_installed() -> bool:
 
 
 __all__ = [
-    'MTP_LOSS_TYPES', 'MTPLossConfig', 'TVLossResult', 'TargetSegment', 'install',
-    'is_installed', 'linear_tv_loss', 'validate_mtp_loss_config',
+    'MTP_LOSS_TYPES', 'MTPLossConfig', 'MTPLossOptions', 'TVLossResult', 'TargetSegment',
+    'install', 'is_installed', 'linear_tv_loss', 'validate_mtp_loss_config',
 ]

@@ -1,6 +1,7 @@
 """Chunked linear + draft loss for MTP heads: the entry point every loss of this package runs
-through (:func:`linear_tv_loss`), its autograd Function and backward modes. The chunk loop itself
-is :mod:`.sweep`.
+through (:func:`linear_tv_loss`), its autograd Function and backward modes. What a call computes
+(objective, chunk, temperature, row kernels, metrics) is one :class:`~.options.MTPLossOptions`;
+the chunk loop itself is :mod:`.sweep`.
 
 For draft hidden states ``x_k`` (MTP depth k), the detached main-model hidden states ``y`` and the
 output weight ``W`` (possibly vocab-sharded over tensor parallelism), with
@@ -57,13 +58,12 @@ chunk holds no valid token.
 No Megatron imports here.
 """
 
-from typing import Callable, NamedTuple, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from .losses import DraftLoss, make_loss
+from .options import MTPLossOptions
 from .products import Products
-from .row_ops import ROW_KERNELS, RowKernels
 from .sweep import (DenseGradients, StoredLogitGradients, SweepOutput, SweepPlan, TargetSegment,
                     sweep)
 from .vocab_parallel import ProcessGroup
@@ -83,7 +83,7 @@ class TVLossResult(NamedTuple):
     """``[G, s, b]`` fp32, detached: each depth's unweighted per-token objective."""
     greedy_agreement: Optional[torch.Tensor] = None
     """``[G, s, b]`` bool, detached: whether the draft argmax equals the target's argmax (the
-    greedy verifier's acceptance; if ``metrics``)."""
+    greedy verifier's acceptance; if ``options.metrics``)."""
 
 
 #: Live fp32 logits the automatic chunk may always use, however small the hidden size: below
@@ -155,18 +155,18 @@ def linear_tv_loss(
     target_hidden: torch.Tensor,
     weight: torch.Tensor,
     token_weights: torch.Tensor,
-    loss_type: Union[str, DraftLoss] = 'tv',
-    chunk_size: int = 0,
+    options: MTPLossOptions,
     tp_group: ProcessGroup = None,
     logits_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     segments: Optional[Sequence[TargetSegment]] = None,
     labels: Optional[torch.Tensor] = None,
-    temperature: float = 1.0,
-    metrics: bool = False,
     target_logits: Optional[torch.Tensor] = None,
-    kernels: RowKernels = 'auto',
 ) -> TVLossResult:
     """A draft loss of G MTP depths against a detached target, chunked over tokens.
+
+    What it computes (the objective, the chunk, the temperature, the row kernels, the metrics)
+    is ``options``, validated when they were built; the arguments here are the tensors and the
+    process group of the call, checked against each other.
 
     Args:
         draft_hidden: ``[G, s, b, h]`` hidden states of the G MTP depths (TP-replicated).
@@ -177,10 +177,8 @@ def linear_tv_loss(
         weight: ``[V/tp, h]`` output-layer weight shard.
         token_weights: loss weights, mask and normalisation included: ``[G, s, b]``, or
             ``[s, b]`` (one weight per chain) for ``'e2e_tv'``.
-        loss_type: the objective: a :class:`~.losses.DraftLoss`, or the name of one in
-            :data:`~.losses.LOSSES` (built with its default hyper-parameters).
-        chunk_size: tokens per chunk (0: :func:`auto_chunk_tokens`). A chunk covers
-            ``max(1, chunk_size // b)`` positions.
+        options: the objective and its settings (:class:`~.options.MTPLossOptions`; its
+            ``chunk_size`` 0 is :func:`auto_chunk_tokens`).
         tp_group: group the vocabulary is sharded over (None: full vocabulary on this rank).
         logits_fn: optional elementwise function applied to the logits (e.g. MuP scaling); it may
             return its input unchanged but must not modify it in place.
@@ -188,39 +186,30 @@ def linear_tv_loss(
         labels: ``[G, s, b]`` token ids: for greedy-accuracy counts (optional), and the
             targets of a loss against the labels (required there; ids outside ``[0, V)`` count
             as Megatron's cross-entropy counts them: a label logit of 0).
-        temperature: verification temperature T > 0: p and q are softmax(logits / T). 1 for
-            a loss against the labels (cross-entropy is at temperature 1).
-        metrics: also compute the greedy agreement of draft and target argmax.
         target_logits: optional ``[s, b, V/tp]`` logits of the target rows, i.e. the main head's
             own ``target_hidden @ W^T`` (any dtype; before ``logits_fn`` and temperature, which
             apply to them as to the draft logits); detached here. The sweep then reads the target
             rows instead of projecting them (one matrix product per chunk fewer); only the
             ``halo`` rows of the segments, which live on another rank, are projected here.
-        kernels: the row kernels: ``'auto'`` (Triton on CUDA fp32 logits, else torch),
-            ``'torch'`` or ``'triton'`` (required; :func:`.row_ops.select_row_ops`).
 
     Returns:
         :class:`TVLossResult`.
     """
-    loss = loss_type if isinstance(loss_type, DraftLoss) else make_loss(loss_type)
-    _check_shapes(draft_hidden, target_hidden, weight, token_weights, loss, labels, target_logits,
-                  metrics)
-    _check_settings(loss, chunk_size, temperature, kernels)
+    if not isinstance(options, MTPLossOptions):
+        raise TypeError(f"options must be an MTPLossOptions, got {options!r}.")
+    _check_shapes(draft_hidden, target_hidden, weight, token_weights, options, labels, target_logits)
     G, s, b, h = draft_hidden.shape
-    tokens = chunk_size if chunk_size > 0 else auto_chunk_tokens(
+    tokens = options.chunk_size or auto_chunk_tokens(
         s * b, G, h, weight.shape[0], target_rows=target_hidden is not None or target_logits is not None
     )
     plan = SweepPlan(
-        loss=loss,
+        options=options,
         positions_per_chunk=max(1, tokens // b),
         tp_group=tp_group,
         logits_fn=logits_fn,
         segments=tuple(segments) if segments is not None else (TargetSegment(0, s),),
         labels=labels,
-        inv_temperature=1.0 / float(temperature),
-        metrics=metrics,
         target_is_logits=target_logits is not None,
-        kernels=kernels,
     )
     target = target_logits if target_logits is not None else target_hidden
     target = target.detach() if target is not None else None
@@ -240,13 +229,15 @@ def linear_tv_loss(
         loss_value = out.loss
     return TVLossResult(
         loss_value, out.alpha, out.correct if labels is not None else None, out.per_depth,
-        out.agreement if metrics else None,
+        out.agreement if options.metrics else None,
     )
 
 
-def _check_shapes(draft_hidden, target_hidden, weight, token_weights, loss, labels, target_logits,
-                  metrics) -> None:
-    """ValueError unless the tensors have the shapes :func:`linear_tv_loss` documents."""
+def _check_shapes(draft_hidden, target_hidden, weight, token_weights, options: MTPLossOptions,
+                  labels, target_logits) -> None:
+    """ValueError unless the tensors have the shapes :func:`linear_tv_loss` documents (and the
+    ones ``options`` need are given)."""
+    loss = options.loss
     if draft_hidden.dim() != 4:
         raise ValueError(f"draft_hidden must be [G, s, b, h], got shape {tuple(draft_hidden.shape)}.")
     G, s, b, h = draft_hidden.shape
@@ -257,7 +248,7 @@ def _check_shapes(draft_hidden, target_hidden, weight, token_weights, loss, labe
                 f"[s, b, V/tp] = {(s, b, weight.shape[0])}."
             )
     elif target_hidden is None and not loss.needs_target:
-        if metrics:
+        if options.metrics:
             raise ValueError(f"metrics compare with a target: {loss.name!r} was given none.")
     elif target_hidden is None or target_hidden.shape != (s, b, h):
         raise ValueError(
@@ -276,18 +267,6 @@ def _check_shapes(draft_hidden, target_hidden, weight, token_weights, loss, labe
         raise ValueError(f"labels must have shape {(G, s, b)}, got {tuple(labels.shape)}.")
     if loss.needs_labels and labels is None:
         raise ValueError(f"the {loss.name!r} loss is against the labels: labels are required.")
-
-
-def _check_settings(loss, chunk_size, temperature, kernels) -> None:
-    """ValueError for a chunk, temperature or row-kernel choice :func:`linear_tv_loss` refuses."""
-    if loss.needs_labels and temperature != 1.0:
-        raise ValueError(f"temperature={temperature!r}: the {loss.name!r} loss is at temperature 1.")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 0:
-        raise ValueError(f"chunk_size={chunk_size!r} must be an int >= 0.")
-    if not (isinstance(temperature, (int, float)) and 0 < temperature < float('inf')):
-        raise ValueError(f"temperature={temperature!r} must be a finite number > 0.")
-    if kernels not in ROW_KERNELS:
-        raise ValueError(f"kernels={kernels!r}; expected one of {list(ROW_KERNELS)}.")
 
 
 class _ResultSlot:

@@ -28,10 +28,10 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer import multi_token_prediction as _mtp
 
 from .alignment import CP_LAYOUTS, target_segments
-from .config import is_cross_entropy, runs_megatron_ce, validate_mtp_loss_config
+from .config import runs_megatron_ce, validate_mtp_loss_config
 from .linear_tv import linear_tv_loss
-from .losses import CrossEntropy, DraftLoss, loss_from_config
 from .metrics import save_acceptance_to_tracker
+from .options import MTPLossOptions, draft_objective
 from .sweep import TargetSegment
 from .vocab_parallel import group_size, vocab_range
 
@@ -214,7 +214,7 @@ def mtp_loss_follows_main_logits(model, output_processor=None) -> bool:
     if getattr(model, 'output_layer', None) is None or not getattr(model, 'post_process', False):
         return False
     validate_mtp_loss_config(config)  # a field assigned after construction: construction's error
-    return _objective(config, metrics_only=False).needs_target or (
+    return draft_objective(config, metrics_only=False).needs_target or (
         model.training and getattr(config, 'mtp_log_acceptance', False)
     )
 
@@ -246,10 +246,9 @@ def _mtp_tv_loss(main_hidden, draft_hidden, main_logits, labels, loss_mask, outp
     labels and input ids (nothing to train against)."""
     # Per call: a field assigned after construction gets construction's ValueError, not a KeyError.
     validate_mtp_loss_config(config)
-    loss_fn = _objective(config, metrics_only)
-    # The main model's distribution: every TV-family loss compares with it; cross-entropy only
-    # for the acceptance metrics (mtp_log_acceptance).
-    with_target = loss_fn.needs_target or (is_training and getattr(config, 'mtp_log_acceptance', False))
+    # Built once per micro-batch. The main model's distribution: every TV-family loss compares
+    # with it; cross-entropy only for the acceptance metrics (mtp_log_acceptance, training).
+    options = MTPLossOptions.from_config(config, metrics=is_training, metrics_only=metrics_only)
 
     def roll(t, field, roll_depth):
         return _roll_once(t, cp_group, packed_seq_params, sequence_roll_context, field, roll_depth)
@@ -259,19 +258,19 @@ def _mtp_tv_loss(main_hidden, draft_hidden, main_logits, labels, loss_mask, outp
     if rolled is None:
         return None
     inputs = _sweep_inputs(
-        loss_fn, draft_hidden, main_hidden, rolled, config, output_layer, output_weight,
+        options, draft_hidden, main_hidden, rolled, config, output_layer, output_weight,
         tp_group if tp_group is not None else getattr(output_layer, 'tp_group', None), cp_group,
-        packed_seq_params, cp_layout, with_target,
+        packed_seq_params, cp_layout,
         # the own projection's rows, and the context-parallel halos (another rank's rows)
-        needs_target_hidden=with_target and (main_logits is None or group_size(cp_group) > 1),
+        needs_target_hidden=options.with_target and (
+            main_logits is None or group_size(cp_group) > 1),
     )
-    return _sweep_and_log(inputs, config, scale_logits_fn, is_training, metrics_only, main_logits)
+    return _sweep_and_log(inputs, options, scale_logits_fn, is_training, metrics_only, main_logits)
 
 
 class _SweepInputs(NamedTuple):
     """What the sweep of one micro-batch reads, prepared before the main logits exist."""
 
-    loss: DraftLoss
     draft: Tensor
     """``[D, s, b, h]`` in the vocab-parallel layout."""
     target: Optional[Tensor]
@@ -281,18 +280,17 @@ class _SweepInputs(NamedTuple):
     rolled: '_Rolled'
     segments: List[TargetSegment]
     tp_group: object
-    with_target: bool
 
 
-def _sweep_inputs(loss_fn, draft, main_hidden, rolled, config, output_layer, output_weight,
-                  tp_group, cp_group, packed_seq_params, cp_layout, with_target,
+def _sweep_inputs(options: MTPLossOptions, draft, main_hidden, rolled, config, output_layer,
+                  output_weight, tp_group, cp_group, packed_seq_params, cp_layout,
                   needs_target_hidden) -> '_SweepInputs':
     weight = _output_weight(output_layer, output_weight, config, config.mtp_loss_type)
     draft, target = _vocab_parallel_layout(
         draft, main_hidden, config.mtp_num_layers, tp_group,
         bool(getattr(output_layer, 'sequence_parallel', False)), needs_target_hidden,
     )
-    target = target if with_target else None  # cross-entropy without metrics: no target rows
+    target = target if options.with_target else None  # cross-entropy without metrics: no target rows
     # Without context parallelism a sequence's targets are its own rows (the rolled masks stop
     # them at its end): one segment, and the packed bounds are never read. Under zigzag CP they
     # place the halos; that read (one per micro-batch) is this function's host synchronisation.
@@ -302,25 +300,24 @@ def _sweep_inputs(loss_fn, draft, main_hidden, rolled, config, output_layer, out
         zigzag_packed = packed_seq_params is not None and cp_layout == 'zigzag'
         cu_seqlens = packed_seq_params.cu_seqlens_q.tolist() if zigzag_packed else None
         segments = target_segments(target, config.mtp_num_layers, cp_group, cu_seqlens, cp_layout)
-    return _SweepInputs(loss_fn, draft, target, weight, _token_weights(loss_fn, rolled, config),
-                        rolled, segments, tp_group, with_target)
+    return _SweepInputs(draft, target, weight, _token_weights(options.loss, rolled, config),
+                        rolled, segments, tp_group)
 
 
-def _sweep_and_log(inputs: _SweepInputs, config, scale_logits_fn, is_training: bool,
-                   metrics_only: bool, main_logits: Optional[Tensor] = None) -> Tensor:
+def _sweep_and_log(inputs: _SweepInputs, options: MTPLossOptions, scale_logits_fn,
+                   is_training: bool, metrics_only: bool,
+                   main_logits: Optional[Tensor] = None) -> Tensor:
     """The loss (and the tracker's metrics), from the main logits or projecting the target."""
     if main_logits is not None:
         main_logits = _local_vocab_shard(main_logits, inputs.weight.shape[0], inputs.tp_group)
-    loss_fn, rolled = inputs.loss, inputs.rolled
+    rolled = inputs.rolled
     result = linear_tv_loss(
         inputs.draft, inputs.target if main_logits is None else None, inputs.weight,
-        inputs.token_weights, loss_type=loss_fn, chunk_size=config.mtp_tv_chunk,
-        tp_group=inputs.tp_group, logits_fn=scale_logits_fn, segments=inputs.segments,
-        labels=torch.stack(rolled.labels).transpose(1, 2) if is_training or loss_fn.needs_labels else None,
-        temperature=getattr(config, 'mtp_tv_temperature', 1.0),
-        metrics=is_training and inputs.with_target,
-        target_logits=main_logits if inputs.with_target else None,
-        kernels=getattr(config, 'mtp_tv_kernels', 'auto'),
+        inputs.token_weights, options, tp_group=inputs.tp_group, logits_fn=scale_logits_fn,
+        segments=inputs.segments,
+        labels=(torch.stack(rolled.labels).transpose(1, 2)
+                if is_training or options.loss.needs_labels else None),
+        target_logits=main_logits if options.with_target else None,
     )
     if is_training:
         save_acceptance_to_tracker(
@@ -331,16 +328,6 @@ def _sweep_and_log(inputs: _SweepInputs, config, scale_logits_fn, is_training: b
             log_loss=not metrics_only,
         )
     return result.loss
-
-
-def _objective(config, metrics_only: bool) -> DraftLoss:
-    """The loss the sweep computes: the config's, cross-entropy for ``'ce'`` with
-    ``mtp_ce_chunked``, or ``'tv'``'s sums for the metrics-only pass of Megatron's ``'ce'``."""
-    if not is_cross_entropy(config.mtp_loss_type):
-        return loss_from_config(config)
-    if getattr(config, 'mtp_ce_chunked', False) and not metrics_only:
-        return CrossEntropy()
-    return loss_from_config(config, 'tv')
 
 
 class _Rolled(NamedTuple):

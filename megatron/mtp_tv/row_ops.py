@@ -386,9 +386,18 @@ def select_row_ops(logits: torch.Tensor, kernels: RowKernels = 'auto'):
         kernels: ``'auto'``: Triton where it can run (CUDA fp32 logits, or ``TRITON_INTERPRET=1``),
             else torch; ``'torch'``: always torch; ``'triton'``: Triton, or a RuntimeError saying
             why it cannot run (``mtp_tv_kernels``).
+
+    Raises:
+        ValueError: for ``kernels`` not in :data:`ROW_KERNELS` (the sweep calls
+            :func:`row_ops_for` with the value :class:`~.options.MTPLossOptions` checked).
     """
     if kernels not in ROW_KERNELS:
         raise ValueError(f'kernels={kernels!r}; expected one of {list(ROW_KERNELS)}.')
+    return row_ops_for(logits, kernels)
+
+
+def row_ops_for(logits: torch.Tensor, kernels: RowKernels):
+    """:func:`select_row_ops` for a ``kernels`` known to be one of :data:`ROW_KERNELS`."""
     if kernels == 'torch':
         return TorchRowOps(), "mtp_tv_kernels='torch'"
     reason = triton_unavailable_reason(logits)

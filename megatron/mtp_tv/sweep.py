@@ -25,8 +25,9 @@ from typing import Callable, List, NamedTuple, Optional, Sequence
 import torch
 
 from .losses import DraftLoss
+from .options import MTPLossOptions
 from .products import Products
-from .row_ops import select_row_ops
+from .row_ops import row_ops_for
 from .scratch import Scratch
 from .vocab_parallel import ProcessGroup, all_reduce_sum_, group_size, vocab_range
 
@@ -48,20 +49,18 @@ class TargetSegment:
 
 @dataclass(frozen=True)
 class SweepPlan:
-    """What the sweep computes, fixed for all its chunks."""
+    """One call's sweep, fixed for all its chunks: the caller's options, its non-differentiable
+    inputs and what :func:`~.linear_tv.linear_tv_loss` derived from their shapes."""
 
-    loss: DraftLoss
+    options: MTPLossOptions
+    """The loss, temperature, row kernels and metrics (validated when built)."""
     positions_per_chunk: int
+    """Sequence positions per chunk (from ``options.chunk_size`` or the automatic chunk)."""
     tp_group: ProcessGroup
     logits_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]
     segments: tuple
     labels: Optional[torch.Tensor]
     """``[G, s, b]`` token ids: the greedy-accuracy counts' and a label loss's, or None."""
-    inv_temperature: float
-    metrics: bool
-    """Also compute the greedy agreement of draft and target argmax."""
-    kernels: str = 'auto'
-    """The row kernels (:func:`.row_ops.select_row_ops`)."""
     target_is_logits: bool = False
     """The target is the main head's ``[s, b, V/tp]`` logits (else ``[s, b, h]`` hidden states,
     or None: no target rows)."""
@@ -197,7 +196,8 @@ def target_source(target: Optional[torch.Tensor], plan: SweepPlan):
     if not plan.target_is_logits:
         return OwnProjection(target)
     read_in_place = (
-        plan.logits_fn is None and plan.inv_temperature == 1.0 and target.dtype == torch.float32
+        plan.logits_fn is None and plan.options.inv_temperature == 1.0
+        and target.dtype == torch.float32
     )
     return MainLogits(target, read_in_place)
 
@@ -272,14 +272,15 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
     overlaps); ``token_weights`` ``[G, s, b]`` (``[s, b]`` for a per-chain loss).
     """
     G, s, b, h = draft_hidden.shape
-    loss_fn, device = plan.loss, draft_hidden.device
+    options, device = plan.options, draft_hidden.device
+    loss_fn, inv_temperature = options.loss, options.inv_temperature
     source = target_source(target, plan)
     out = _Results(G, s, b, device, source.has_target)
     products, scratch, ops = Products(weight), Scratch(), None
     # dL/dz of every row is at most grad_bound * its weight / T (each loss states grad_bound);
     # the sink's gradients carry grad_scale.
-    grad_scale = products.gradient_scale(token_weights, loss_fn.grad_bound * plan.inv_temperature)
-    coef_scale = grad_scale * plan.inv_temperature
+    grad_scale = products.gradient_scale(token_weights, loss_fn.grad_bound * inv_temperature)
+    coef_scale = grad_scale * inv_temperature
     vocab = vocab_range(weight.shape[0], plan.tp_group)
     # Row-local losses on one shard know each row's coefficients as soon as its sums are done,
     # so the gradient is written in the same pass.
@@ -292,11 +293,11 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
         drafts = [draft_hidden[k, chunk.positions].reshape(n, h) for k in range(G)]
         inputs, in_place_rows = source.logits(chunk, drafts, products, scratch, raw)
         z = _scaled_logits(raw, plan)  # row ops overwrite it; raw stays for the chain rule
-        ops = ops or select_row_ops(z, plan.kernels)[0]
+        ops = ops or row_ops_for(z, options.kernels)[0]
         label_logits = _label_logits(z, chunk, plan.labels, vocab) if plan.labels is not None else None
 
         # Collective 1: the normalisers (and argmax) of the target rows and every depth's rows.
-        probs, stats = ops.normalise_(z, plan.tp_group, vocab[0] if plan.metrics else None, source=in_place_rows)
+        probs, stats = ops.normalise_(z, plan.tp_group, vocab[0] if options.metrics else None, source=in_place_rows)
         pairs = [(ops.rows(probs, t.start, t.stop), ops.rows(probs, r.start, r.stop))
                  for t, r in ((chunk.target_of(k), chunk.draft_rows(k)) for k in range(G))
                  if source.has_target]
@@ -310,7 +311,7 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
         ]
         row = _reduce(sums, label_logits, stats, chunk, want_dot, loss_fn.needs_kl, plan.tp_group)
         terms = loss_fn.terms(row.alpha, row.kl, w, row.nll)
-        out.record(chunk, row, terms, stats if plan.metrics else None)
+        out.record(chunk, row, terms, stats if options.metrics else None)
         if sink is None:
             continue
         if not one_pass_grad:
@@ -417,8 +418,9 @@ def _row_coefficients(loss_fn: DraftLoss, w: torch.Tensor, scale: torch.Tensor):
 def _scaled_logits(raw: torch.Tensor, plan: SweepPlan) -> torch.Tensor:
     """``f(raw) / T``: in place of ``raw`` without a logit function, else in a new tensor."""
     z = plan.logits_fn(raw).float() if plan.logits_fn is not None else raw
-    if plan.inv_temperature != 1.0:
-        z = z.mul_(plan.inv_temperature)
+    inv_temperature = plan.options.inv_temperature
+    if inv_temperature != 1.0:
+        z = z.mul_(inv_temperature)
     return z
 
 

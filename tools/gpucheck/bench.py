@@ -29,6 +29,7 @@ import torch
 from lossbench.timing import is_cuda, summarise, time_interleaved
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import CrossEntropy
+from megatron.mtp_tv.options import MTPLossOptions
 
 Run = Callable[[], None]
 
@@ -84,12 +85,14 @@ def shape_cases(tokens: int, hidden: int, vocab: int, depths: int, device: str,
         return run
 
     def ours(loss_type, target_logits=True, **kwargs):
+        options = MTPLossOptions(loss_type, kernels=kernels)
+
         def run():
             clear()
-            w = per_chain if loss_type == 'e2e_tv' else per_depth
-            linear_tv_loss(drafts, None if target_logits else main, weight, w, loss_type,
+            w = per_chain if options.loss.per_chain else per_depth
+            linear_tv_loss(drafts, None if target_logits else main, weight, w, options,
                            target_logits=main_logits if target_logits else None,
-                           kernels=kernels, tp_group=tp_group, **kwargs).loss.backward()
+                           tp_group=tp_group, **kwargs).loss.backward()
         return run
 
     suffix = f' x{depths}' if depths > 1 else ''

@@ -13,6 +13,7 @@ import torch
 
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES, CrossEntropy
+from megatron.mtp_tv.options import MTPLossOptions
 from megatron.mtp_tv.row_ops import TorchRowOps, TritonRowOps
 from mtp_tv_dev.models import forced_grad_storage
 from mtp_tv_dev.reference import depth_terms, objective, token_weights
@@ -47,10 +48,11 @@ def against_reference(device: str, kernels: str, quick: bool) -> List[Dict]:
                     d = draft.float().to(device).requires_grad_()
                     w = weight.float().to(device).requires_grad_()
                     with forced_grad_storage(storage):
+                        options = MTPLossOptions(loss_type, chunk_size=chunk,
+                                                 temperature=temperature, kernels=kernels)
                         out = linear_tv_loss(d, target.float().to(device), w,
                                              token_weights(loss_type, masks).float().to(device),
-                                             loss_type=loss_type, chunk_size=chunk,
-                                             temperature=temperature, kernels=kernels)
+                                             options)
                     out.loss.backward()
                     errs = {'loss': abs(out.loss.item() - ref.item()),
                             'grad_draft': _max_err(d.grad, d_ref.grad),
@@ -108,8 +110,8 @@ def bf16_against_fp32(device: str, kernels: str, quick: bool) -> List[Dict]:
     for dtype in (torch.float32, torch.bfloat16):
         d = draft.to(device, dtype, copy=True).requires_grad_()
         wt = weight.to(device, dtype, copy=True).requires_grad_()
-        res = linear_tv_loss(d, target.to(device, dtype), wt, w.to(device), 'e2e_tv',
-                             chunk_size=64, kernels=kernels)
+        res = linear_tv_loss(d, target.to(device, dtype), wt, w.to(device),
+                             MTPLossOptions('e2e_tv', chunk_size=64, kernels=kernels))
         res.loss.backward()
         out[dtype] = (res.loss.item(), bool(torch.isfinite(d.grad).all()),
                       bool(torch.isfinite(wt.grad).all()))
@@ -135,8 +137,9 @@ def chunked_ce_against_megatron(device: str, kernels: str, megatron_ce, quick: b
     rows = []
     for chunk in (0, 100):
         x2, w2 = x.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = linear_tv_loss(x2, None, w2, w, loss_type=CrossEntropy(), chunk_size=chunk,
-                             labels=labels, kernels=kernels)
+        out = linear_tv_loss(x2, None, w2, w,
+                             MTPLossOptions(CrossEntropy(), chunk_size=chunk, kernels=kernels),
+                             labels=labels)
         out.loss.backward()
         errs = {'loss': abs(out.loss.item() - ref.item()), 'grad_x': _max_err(x2.grad, x1.grad),
                 'grad_weight': _max_err(w2.grad, w1.grad)}
@@ -166,7 +169,8 @@ def main_logits_against_projection(device: str, kernels: str, dtype: torch.dtype
             kwargs = ({'target_logits': torch.matmul(target, wt.detach().t())}
                       if source == 'main_logits' else {})
             out = linear_tv_loss(d, target if source == 'projection' else None, wt, w,
-                                 loss_type=loss_type, chunk_size=64, kernels=kernels, **kwargs)
+                                 MTPLossOptions(loss_type, chunk_size=64, kernels=kernels),
+                                 **kwargs)
             out.loss.backward()
             results[source] = (out.loss.detach(), d.grad, wt.grad)
         (l1, d1, w1), (l2, d2, w2) = results['projection'], results['main_logits']
@@ -194,7 +198,7 @@ def big_chunk(device: str, kernels: str, dtype: torch.dtype, tokens: int, hidden
     results = {}
     for chunk in (tokens, 2048):
         xg, wg = x.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = linear_tv_loss(xg, y, wg, w, 'tv', chunk_size=chunk, kernels=kernels)
+        out = linear_tv_loss(xg, y, wg, w, MTPLossOptions('tv', chunk_size=chunk, kernels=kernels))
         out.loss.backward()
         results[chunk] = (out.loss.detach().float(), xg.grad.float(), wg.grad.float())
         del out, xg, wg

@@ -177,6 +177,7 @@ def loss_cases(s: int, h: int, V: int, chunk: int, tp_group, tp_rank: int, tp: i
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     linear_tv_loss = loss_module('linear_tv').linear_tv_loss
+    MTPLossOptions = loss_module('options').MTPLossOptions  # noqa: N806  (the class)
 
     b = 1
     g = torch.Generator().manual_seed(seed)
@@ -201,7 +202,8 @@ def loss_cases(s: int, h: int, V: int, chunk: int, tp_group, tp_rank: int, tp: i
 
     def tv():
         draft = into_tp(hidden).unsqueeze(0)
-        return linear_tv_loss(draft, target, weight, tv_weights, 'tv', chunk_size=chunk,
+        return linear_tv_loss(draft, target, weight, tv_weights,
+                              MTPLossOptions('tv', chunk_size=chunk),
                               tp_group=tp_group if tp > 1 else None).loss
 
     def ce_products():
