@@ -7,7 +7,8 @@ before any test module is imported, and by ``tools/verify_patched_tree.py``):
 
 * puts the tree first on ``sys.path`` and checks that ``megatron.core`` comes from it;
 * makes ``megatron.mtp_tv`` and every ``megatron.mtp_tv.<module>`` the *tree's*
-  ``megatron.core.transformer.mtp_tv`` modules (same objects in ``sys.modules``), so tests written
+  ``megatron.core.transformer.mtp_tv`` modules (same objects in ``sys.modules``), and
+  ``megatron.mtp_tv.training_args`` the tree's ``megatron.training.mtp_tv_args``, so tests written
   against ``megatron.mtp_tv`` exercise the code the patch installed, never this checkout's
   copy of the package;
 * leaves ``mtp_tv_dev`` (test and demo support, never shipped) as it is: this checkout's.
@@ -28,6 +29,7 @@ from pathlib import Path
 MODE_ENV = 'MTP_TV_MODE'
 TREE_ENV = 'MTP_TV_TREE'
 NATIVE = 'megatron.core.transformer.mtp_tv'
+TRAINING_MODULE = 'megatron.training.mtp_tv_args'
 
 
 def active() -> bool:
@@ -61,6 +63,8 @@ def activate() -> Path:
         except ImportError:  # an optional backend (e.g. triton) missing: tests skip it anyway
             continue
         sys.modules[f'megatron.mtp_tv.{info.name}'] = module
+    # The training side's module the patch installs under megatron/training.
+    sys.modules['megatron.mtp_tv.training_args'] = importlib.import_module(TRAINING_MODULE)
     return tree
 
 

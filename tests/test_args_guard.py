@@ -1,7 +1,8 @@
 """The MTP loss stops, never falls back, when the config is not what was asked for.
 
 * Megatron's parsed arguments ask for one loss and the model's config holds another (the config
-  was built without them): building the model's MTP block raises ``ValueError`` naming both.
+  was built without them): building the model (Megatron's ``get_model``; in plugin mode already
+  its MTP block) raises ``ValueError`` naming both.
 * A bad value assigned after construction (which skips ``__post_init__``): the same
   ``ValueError`` as construction, at the loss, instead of a ``KeyError`` deep in the loss code.
 """
@@ -31,6 +32,16 @@ def _model(**config):
     return build_gpt_with_mtp(vocab_size=VOCAB, hidden_size=16, seq_length=SEQ, **config)
 
 
+def _get_model(args, **config):
+    """A model as Megatron's ``get_model`` builds it: the provider's model, then the arguments
+    applied to its config (``megatron/training/mtp_tv_args.py`` in a patched tree)."""
+    from megatron.mtp_tv.training_args import apply_mtp_loss_args
+
+    model = _model(**config)
+    apply_mtp_loss_args([model], args)
+    return model
+
+
 @pytest.fixture
 def megatron_args(monkeypatch):
     """``set(argv)``: Megatron's ``parse_args`` on ``argv`` (miles' provider), made the global
@@ -50,10 +61,11 @@ def megatron_args(monkeypatch):
     'kl',  # one of this package's losses
 ])
 def test_arguments_asking_for_another_loss_stop_the_model_construction(megatron_args, held):
-    megatron_args(['--mtp-num-layers', '2', '--mtp-loss-type', 'tv', '--mtp-tv-temperature', '0.5'])
+    args = megatron_args(['--mtp-num-layers', '2', '--mtp-loss-type', 'tv', '--mtp-tv-temperature',
+                          '0.5'])
     with single_process():
         with pytest.raises(ValueError) as err:
-            _model(mtp_loss_type=held)  # built by hand: the arguments never reached it
+            _get_model(args, mtp_loss_type=held)  # its config not built from the arguments
     message = str(err.value)
     assert "--mtp-loss-type 'tv'" in message and f"mtp_loss_type={held!r}" in message
     assert "--mtp-tv-temperature 0.5" in message and 'mtp_tv_temperature=1.0' in message
@@ -62,15 +74,15 @@ def test_arguments_asking_for_another_loss_stop_the_model_construction(megatron_
 
 def test_arguments_at_their_defaults_ask_for_nothing(megatron_args):
     # A config set up in code ('tv') while the command line left the flag alone trains.
-    megatron_args(['--mtp-num-layers', '2'])
+    args = megatron_args(['--mtp-num-layers', '2'])
     with single_process():
-        _step(_model(mtp_loss_type='tv'))
+        _step(_get_model(args, mtp_loss_type='tv'))
 
 
 def test_arguments_matching_the_config_train(megatron_args):
-    megatron_args(['--mtp-num-layers', '2', '--mtp-loss-type', 'cross_entropy'])  # == 'ce'
+    args = megatron_args(['--mtp-num-layers', '2', '--mtp-loss-type', 'cross_entropy'])  # == 'ce'
     with single_process():
-        _step(_model(mtp_loss_type='ce'))
+        _step(_get_model(args, mtp_loss_type='ce'))
 
 
 @pytest.mark.parametrize('field,bad', [('mtp_loss_type', 'TV'), ('mtp_tv_chunk', -1)])

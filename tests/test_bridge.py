@@ -9,9 +9,10 @@ reference from the equations (``mtp_tv_dev/reference.py``), for the loss type as
 * Bridge recipe: the loss type is set on the provider (``cfg.model.mtp_loss_type = 'tv'``).
 * miles' bridge mode: Megatron's ``parse_args``/``validate_args`` on a command line with
   ``--mtp-loss-type``, ``set_args``, the provider with miles' fixed list of arguments copied onto
-  it, ``finalize()``, ``provide()``: the fields reach the provider through
-  ``megatron.mtp_tv.bridge``; where they cannot (a provider finalized before ``set_args``),
-  building the model stops with a ``ValueError``.
+  it, ``finalize()``, then Megatron's ``get_model`` (``provide()``, then the arguments applied to
+  the built model's config, ``megatron.mtp_tv.training_args``): the fields reach the provider,
+  finalized before ``set_args`` or after; a provider holding another loss stops with a
+  ``ValueError``.
 
 CPU stand-ins (test code only, ``mtp_tv_dev/bridge.py``): a Transformer Engine
 module for ``megatron.bridge.peft.lora_layers``' import, the local layer and MTP specs,
@@ -109,6 +110,19 @@ def _miles_provider(hf_dir, args):
     return provider
 
 
+def _get_model(provider, args=None):
+    """What Megatron's ``get_model`` does with miles' ``model_provider_func``: the provider's
+    ``provide()``, then Megatron's arguments applied to the built model's config (in plugin mode
+    its MTP block took them already)."""
+    from megatron.mtp_tv.training_args import apply_mtp_loss_args
+
+    with local_mtp_block_spec():
+        model = provider.provide(pre_process=True, post_process=True)
+    if args is not None:
+        apply_mtp_loss_args([model], args)
+    return model
+
+
 def _batch():
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
@@ -116,8 +130,9 @@ def _batch():
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask
 
 
-def _train_step(provider, reference_loss=None):
-    """One forward and backward of ``provider.provide()``'s model: ``(main, grads, logged)``.
+def _train_step(provider, reference_loss=None, args=None):
+    """One forward and backward of the model ``get_model`` builds from ``provider``:
+    ``(main, grads, logged)``.
 
     With ``reference_loss`` the MTP objective is the float64 reference for that loss type
     (from the recorded MTP hidden states) instead of the package's.
@@ -126,8 +141,7 @@ def _train_step(provider, reference_loss=None):
 
     with single_process():
         seed_everything(1234)  # the same weights in both runs
-        with local_mtp_block_spec():
-            model = provider.provide(pre_process=True, post_process=True)
+        model = _get_model(provider, args)
         tokens, labels, mask = _batch()
         MTPLossLoggingHelper.tracker.clear()
         if reference_loss is None:
@@ -149,9 +163,9 @@ def _train_step(provider, reference_loss=None):
         return main.detach(), grads, logged
 
 
-def _assert_matches_reference(provider, loss_type):
-    main, grads, logged = _train_step(provider)
-    ref_main, ref_grads, ref_logged = _train_step(provider, reference_loss=loss_type)
+def _assert_matches_reference(provider, loss_type, args=None):
+    main, grads, logged = _train_step(provider, args=args)
+    ref_main, ref_grads, ref_logged = _train_step(provider, reference_loss=loss_type, args=args)
     torch.testing.assert_close(main, ref_main)
     torch.testing.assert_close(logged, ref_logged, rtol=1e-5, atol=1e-6)  # mtp_{k} loss
     assert grads.keys() == ref_grads.keys() and any('mtp.layers' in n for n in grads)
@@ -185,14 +199,14 @@ def test_miles_bridge_mode_trains_with_the_loss_on_the_command_line(
         ['--mtp-num-layers', str(DEPTH), '--mtp-loss-type', loss_type, *flags]
     )
     provider = _miles_provider(hf_dir, args)
-    assert provider.mtp_loss_type == loss_type  # taken from the arguments in finalize()
+    _assert_matches_reference(provider, loss_type, args)
+    assert provider.mtp_loss_type == loss_type  # taken from the arguments
     assert (provider.mtp_tv_temperature, provider.mtp_tv_chunk) == (
         args.mtp_tv_temperature, args.mtp_tv_chunk
     )
-    _assert_matches_reference(provider, loss_type)
 
 
-def test_miles_bridge_mode_without_the_arguments_at_finalize_stops_the_model_construction(
+def test_miles_bridge_mode_with_a_provider_finalized_before_set_args_takes_them_at_get_model(
     hf_dir, set_megatron_args, monkeypatch
 ):
     import megatron.training.global_vars as global_vars
@@ -202,29 +216,34 @@ def test_miles_bridge_mode_without_the_arguments_at_finalize_stops_the_model_con
     provider = _miles_provider(hf_dir, args)  # finalized before set_args: nothing to take
     assert provider.mtp_loss_type == 'ce'
     monkeypatch.setattr(global_vars, '_GLOBAL_ARGS', args)
-    with single_process(), local_mtp_block_spec():
-        with pytest.raises(ValueError, match=r"--mtp-loss-type 'tv'.*mtp_loss_type='ce'"):
-            provider.provide(pre_process=True, post_process=True)
+    with single_process():
+        _get_model(provider, args)
+    assert provider.mtp_loss_type == 'tv'
 
 
 def test_arguments_at_their_defaults_leave_the_provider_alone(hf_dir, set_megatron_args):
-    set_megatron_args(['--mtp-num-layers', str(DEPTH)])
+    args = set_megatron_args(['--mtp-num-layers', str(DEPTH)])
     provider = _provider(hf_dir)
     _on_cpu(provider)
     provider.mtp_loss_type = 'e2e_tv'
     provider.finalize()
+    with single_process():
+        _get_model(provider, args)
     assert provider.mtp_loss_type == 'e2e_tv'
 
 
-def test_provider_and_arguments_asking_for_different_losses_stop_finalize(
+def test_provider_and_arguments_asking_for_different_losses_stop_the_model(
     hf_dir, set_megatron_args
 ):
-    set_megatron_args(['--mtp-num-layers', str(DEPTH), '--mtp-loss-type', 'tv'])
+    args = set_megatron_args(['--mtp-num-layers', str(DEPTH), '--mtp-loss-type', 'tv'])
     provider = _provider(hf_dir)
     _on_cpu(provider)
     provider.mtp_loss_type = 'kl'
-    with pytest.raises(ValueError, match=r"GPTModelProvider.mtp_loss_type='kl'.*--mtp-loss-type 'tv'"):
+    # plugin mode: at finalize(); a patched tree: at get_model
+    with single_process(), pytest.raises(
+            ValueError, match=r"GPTModelProvider.mtp_loss_type='kl'.*--mtp-loss-type 'tv'"):
         provider.finalize()
+        _get_model(provider, args)
 
 
 @pytest.mark.parametrize('field,value,message', [

@@ -228,18 +228,19 @@ def test_every_patch_runs_the_mtp_loss_on_the_main_logits_it_projects(name):
         while not lines[k].lstrip(' +').startswith('logits, _ = self.output_layer('):
             assert not lines[k].startswith('+'), lines[k]
             k -= 1
-    mtp = _section(target.patch_path.read_text(), layout.MTP_FILE)
-    assert sum(l.startswith('+') and 'check_megatron_args(config)' in l for l in mtp) == 1
-    assert not any('check_megatron_args' in l for l in lines)  # once, at construction
 
 
 @pytest.mark.parametrize('name', sorted(targets.TARGETS))
 def test_the_training_side_hands_the_arguments_to_the_core(name):
-    """The patched global_vars.py tells the core's guard where the parsed arguments are, once, at
-    the end of the module (after _GLOBAL_ARGS)."""
+    """The patched get_model applies the parsed arguments to the built models' configs, once;
+    the training side's module is installed under megatron/training, and nothing under
+    megatron/core imports it."""
     text = targets.TARGETS[name].patch_path.read_text()
-    added = [l[1:] for l in _section(text, layout.GLOBAL_VARS_FILE) if l.startswith('+')]
-    assert added.count('set_megatron_args_source(lambda: _GLOBAL_ARGS)') == 1, added
+    added = [l[1:] for l in _section(text, layout.TRAINING_FILE) if l.startswith('+')]
+    assert added.count('    apply_mtp_loss_args(model, args)') == 1, added
+    assert f'diff --git a/{layout.TRAINING_MODULE_FILE} b/{layout.TRAINING_MODULE_FILE}' in text
+    for path in (layout.CONFIG_FILE, layout.MTP_FILE, layout.GPT_FILE):
+        assert not any('mtp_tv_args' in l for l in _section(text, path)), path
 
 
 def _code_strings_and_names(source):
@@ -268,10 +269,12 @@ def _code_strings_and_names(source):
 
 def test_the_shipped_core_never_reads_megatron_training():
     """What the patches copy into megatron/core neither imports megatron.training nor reads its
-    globals (by name, or through sys.modules): the training side hands them over."""
+    globals (by name, or through sys.modules), nor knows Megatron-Bridge: the training side
+    applies the arguments (megatron/training/mtp_tv_args.py)."""
     for rel, source in package.shipped_modules().items():
         used = [s for s in _code_strings_and_names(source)
-                if 'megatron.training' in s or s == '_GLOBAL_ARGS' or s == 'global_vars']
+                if 'megatron.training' in s or s in ('_GLOBAL_ARGS', 'global_vars', 'mtp_tv_args')
+                or 'megatron.bridge' in s or s == 'ModelProviderMixin']
         assert not used, (rel, used)
 
 
@@ -291,8 +294,8 @@ def _function(tree, cls, name):
 def test_patched_sources_attach_the_loss_to_the_main_logits_and_check_the_arguments(name):
     """In the patched files: _postprocess starts with no drafts, splits the hidden states in
     place of the MTP loss where that loss runs on the main logits (with the call's own arguments
-    otherwise), and attaches it right after every main projection; MultiTokenPredictionBlock
-    .__init__ first checks Megatron's arguments."""
+    otherwise), and attaches it right after every main projection; get_model applies Megatron's
+    arguments to its models' configs."""
     import ast
 
     target = targets.TARGETS[name]
@@ -323,11 +326,13 @@ def test_patched_sources_attach_the_loss_to_the_main_logits_and_check_the_argume
                                            'attach_mtp_tv_loss(logits, hidden_states, mtp_tv_drafts'), text
                     attached += 1
     assert attached == len(target.facts.main_logits_projections) > 0
-    mtp = ast.parse(patched[layout.MTP_FILE])
-    init = _function(mtp, 'MultiTokenPredictionBlock', '__init__')
-    first = [ast.unparse(n) for n in init.body if not isinstance(n, ast.Expr)
-             or not isinstance(n.value, ast.Constant)][:2]
-    assert first[1] == 'check_megatron_args(config)', first
+    training = ast.parse(patched[layout.TRAINING_FILE])
+    get_model = _function(training, None, 'get_model')
+    statements = [ast.unparse(n) for n in get_model.body]
+    i = statements.index('if not isinstance(model, list):\n    model = [model]')
+    assert statements[i + 1:i + 3] == [
+        f'from {layout.TRAINING_MODULE} import apply_mtp_loss_args',
+        'apply_mtp_loss_args(model, args)']
 
 
 def test_a_process_mtp_loss_call_not_one_keyword_per_line_is_refused():

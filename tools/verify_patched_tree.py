@@ -188,27 +188,25 @@ def _check_cli():
     config = core_transformer_config_from_args(args)
     assert (config.mtp_loss_type, config.mtp_tv_chunk) == ('tv', 512), config
     assert args.enable_mtp_training and config.mtp_loss_scaling_factor == 0.2
-    # The training side hands the parsed arguments to the core's guard (patched global_vars.py):
-    # a config that was not built from them, holding another loss, is refused by name.
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.mtp_tv import bridge
-    from megatron.training import global_vars
+    # The training side applies the parsed arguments where get_model builds the models: a
+    # config that was not built from them, holding another loss, is refused by name.
+    import inspect
+    import types
 
-    global_vars.set_args(args)
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.training import training
+    from megatron.training.mtp_tv_args import apply_mtp_loss_args
+
+    assert 'apply_mtp_loss_args(model, args)' in inspect.getsource(training.get_model)
+    by_hand = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, mtp_num_layers=1)
     try:
-        assert bridge.megatron_args() is args, 'megatron/training/global_vars.py did not register'
-        by_hand = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
-                                    mtp_num_layers=1)
-        try:
-            bridge.check_megatron_args(by_hand)
-            raise AssertionError("a config holding 'ce' passed the guard of --mtp-loss-type tv")
-        except ValueError as exc:
-            assert "--mtp-loss-type 'tv'" in str(exc), exc
-    finally:
-        global_vars.set_args(None)
+        apply_mtp_loss_args([types.SimpleNamespace(config=by_hand)], args)
+        raise AssertionError("a config holding 'ce' passed the guard of --mtp-loss-type tv")
+    except ValueError as exc:
+        assert "--mtp-loss-type 'tv'" in str(exc), exc
     return ('ok: --mtp-loss-type tv --mtp-tv-chunk 512 reached TransformerConfig through '
-            'parse_args(extra_args_provider=<miles-style reset_arg provider>); the guard reads '
-            'the arguments global_vars.py hands the core')
+            'parse_args(extra_args_provider=<miles-style reset_arg provider>); get_model applies '
+            'the arguments to the configs it builds')
 
 
 def _check_model():

@@ -6,9 +6,9 @@ Plugin use::
     megatron.mtp_tv.install()   # adds TransformerConfig.mtp_loss_type / mtp_tv_chunk / ...
 
 The loss math (:mod:`.linear_tv`, :mod:`.alignment`, :mod:`.vocab_parallel`) imports only torch;
-the Megatron glue is :mod:`.mtp_loss`, :mod:`.main_logits` and :mod:`.metrics`; :mod:`.bridge`
-carries Megatron's parsed arguments onto Megatron-Bridge providers and checks them when a model's
-MTP block is built. :mod:`.plugin` (plugin mode only) makes the same changes to a running
+the Megatron glue is :mod:`.mtp_loss` and :mod:`.metrics`. :mod:`.training_args` is the training
+side's: Megatron's parsed arguments onto the model configs (patches install it under
+``megatron/training``). :mod:`.plugin` (plugin mode only) makes the same changes to a running
 megatron-core that ``patches/`` make to a tree's source; the patches do not ship it.
 """
 

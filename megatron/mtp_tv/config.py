@@ -120,9 +120,9 @@ def validate_mtp_loss_config(config) -> None:
     """Validate the MTP loss fields of a ``TransformerConfig``.
 
     Runs in ``TransformerConfig.__post_init__`` (a Megatron-Bridge provider runs that in
-    ``finalize()``; there :func:`.bridge.carry_to_bridge_provider` runs first) and again at every
-    TV-family MTP loss (fields assigned after construction skip ``__post_init__``). Reads the config and
-    changes nothing.
+    ``finalize()``), where the training side carries Megatron's arguments onto a config
+    (:mod:`.training_args`), and again at every MTP loss of this package (fields assigned after
+    construction skip ``__post_init__``). Reads the config and changes nothing.
 
     Args:
         config: a ``TransformerConfig`` (or anything with the fields of :class:`MTPLossConfig`

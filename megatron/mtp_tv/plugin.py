@@ -15,13 +15,13 @@
    :func:`~megatron.mtp_tv.mtp_loss.mtp_loss_follows_main_logits`, the dispatcher of 2. only
    splits the hidden states (:class:`_MainLogitsLoss`, handed over in a context variable), and a
    forward hook on the output layer computes the loss on the main logits and attaches it;
-5. tells :mod:`~megatron.mtp_tv.bridge` where Megatron's parsed arguments are (what a patched
-   ``megatron/training/global_vars.py`` does when imported);
-6. checks, when a ``MultiTokenPredictionBlock`` is built, that its config holds the MTP loss
-   settings Megatron's parsed arguments ask for (:func:`~megatron.mtp_tv.bridge.check_megatron_args`).
+5. carries the MTP loss fields Megatron's parsed arguments ask for onto a Megatron-Bridge
+   provider in ``TransformerConfig.__post_init__`` (a provider runs it in ``finalize()``) and
+   when a ``MultiTokenPredictionBlock`` is built, where it also checks that any config holds them
+   (:mod:`~megatron.mtp_tv.training_args`; a patched tree does both in ``get_model``).
 
 Patch mode (``patches/``) makes the same changes in the source of a Megatron tree instead. The
-context variable, the hook and the read of ``megatron.training``'s globals live here, for plugin
+context variable, the hooks and the read of ``megatron.training``'s globals live here, for plugin
 mode only.
 """
 
@@ -36,7 +36,6 @@ from typing import Callable, Dict, List
 
 import torch
 
-from . import bridge
 from . import config as _config
 
 _lock = threading.Lock()
@@ -203,7 +202,6 @@ def install() -> None:
             return
         check_megatron()  # before changing anything: an unknown tree is left as it was
         add_config_fields(TransformerConfig)
-        bridge.set_megatron_args_source(_megatron_training_args)
         _install_loss()
         _install_metrics_logging()
         _install_main_logits()
@@ -249,10 +247,9 @@ def check_megatron() -> None:
 
 
 def _megatron_training_args():
-    """``megatron.training``'s parsed arguments, or None: read where a patched tree's
-    ``global_vars.py`` would hand them over (:func:`~.bridge.set_megatron_args_source`), and only
-    if something imported that module (``get_args()`` asserts while they are unset, and importing
-    ``megatron.training`` costs seconds)."""
+    """``megatron.training``'s parsed arguments, or None: read only if something imported its
+    global variables module (``get_args()`` asserts while they are unset, and importing
+    ``megatron.training`` costs seconds). Read at each call: launchers set and clear them."""
     global_vars = sys.modules.get('megatron.training.global_vars')
     return getattr(global_vars, '_GLOBAL_ARGS', None)
 
@@ -318,13 +315,14 @@ def _reprocess_dataclass(cls: type) -> None:
 
 
 def _validate_in_post_init(base: type) -> None:
-    from .bridge import carry_to_bridge_provider
+    from .training_args import carry_to_bridge_provider
 
     original: Callable = base.__post_init__
 
     def __post_init__(self):
         original(self)
-        carry_to_bridge_provider(self)  # a Megatron-Bridge provider takes the parsed arguments' fields
+        # a Megatron-Bridge provider takes the parsed arguments' fields (finalize() runs this)
+        carry_to_bridge_provider(self, _megatron_training_args())
         _config.validate_mtp_loss_config(self)
 
     __post_init__.__wrapped__ = original
@@ -432,7 +430,7 @@ def _install_args_check() -> None:
     """Check Megatron's arguments against the config once per model, where its MTP block is built."""
     from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 
-    from .bridge import check_megatron_args
+    from .training_args import carry_to_bridge_provider, check_megatron_args
 
     original = MultiTokenPredictionBlock.__init__
     if getattr(original, '__mtp_tv_args_check__', False):
@@ -440,7 +438,11 @@ def _install_args_check() -> None:
 
     @functools.wraps(original)
     def __init__(self, config, *args, **kwargs):
-        check_megatron_args(config)  # before building anything: a wrong config trains nothing
+        # before building anything: a wrong config trains nothing (a Megatron-Bridge provider
+        # finalized before Megatron's set_args takes the arguments' fields here)
+        megatron_args = _megatron_training_args()
+        carry_to_bridge_provider(config, megatron_args)
+        check_megatron_args(config, megatron_args)
         original(self, config, *args, **kwargs)
 
     __init__.__mtp_tv_args_check__ = True

@@ -11,18 +11,17 @@ What a patch does to a Megatron tree (the same changes :mod:`megatron.mtp_tv.plu
 time, written into the source so the feature is native there):
 
 * ``megatron/core/transformer/mtp_tv/``: every module of ``megatron/mtp_tv`` except the
-  plugin-only ones (:data:`NOT_SHIPPED`: ``plugin.py``, the launcher, the start-up hook), byte
-  for byte: the package imports itself relatively, so the same files work under both names;
+  plugin-only ones and the training side's (:data:`NOT_SHIPPED`: ``plugin.py``, the launcher,
+  the start-up hook, ``training_args.py``), byte for byte: the package imports itself relatively,
+  so the same files work under both names;
 * ``transformer_config.py``: the annotated fields between ``# BEGIN MTP_TV FIELDS`` and
   ``# END MTP_TV FIELDS`` of ``megatron/mtp_tv/config.py``, copied verbatim (docstrings included,
   so the tree's ``ArgumentGroupFactory`` makes ``--mtp-loss-type`` & co.) after the tree's last
-  ``mtp_*`` field, and ``carry_to_bridge_provider(self)`` and ``validate_mtp_loss_config(self)`` at the end of ``__post_init__``;
+  ``mtp_*`` field, and ``validate_mtp_loss_config(self)`` at the end of ``__post_init__``;
 * ``multi_token_prediction.py``: ``process_mtp_loss`` (where the tree has one) hands every loss
   type but ``'ce'`` (alias ``'cross_entropy'``, upstream's name) to ``process_mtp_tv_loss`` and
   keeps its own code for ``'ce'``;
   ``MTPLossLoggingHelper.track_mtp_metrics`` logs the acceptance metrics first;
-  ``MultiTokenPredictionBlock.__init__`` first checks that the config holds the MTP loss settings
-  Megatron's parsed arguments ask for (``check_megatron_args``);
 * ``gpt_model.py``: where ``mtp_loss_follows_main_logits``, ``GPTModel._postprocess`` only
   splits the hidden states at its ``process_mtp_loss`` call (``split_mtp_hidden_states``) and,
   after each main-head projection, computes the MTP loss on those logits and attaches it to them
@@ -30,9 +29,10 @@ time, written into the source so the feature is native there):
   ``megatron.core.transformer`` import), so the TV losses take their target from the main head's
   logits; in trees whose MTP loss is inline in ``_postprocess`` (radixark ``miles-main``) the
   same dispatch as above there, fed exactly what the inline ``'ce'`` code uses;
-* ``megatron/training/global_vars.py``: at its end, ``set_megatron_args_source(lambda:
-  _GLOBAL_ARGS)``: the training side tells the core's guard and Bridge carry-over where the
-  parsed arguments are (the core never reads ``megatron.training``).
+* ``megatron/training/training.py``: ``get_model`` applies the parsed arguments to the built
+  models' configs (``apply_mtp_loss_args`` of the new ``megatron/training/mtp_tv_args.py``, this
+  package's ``training_args.py``): a Megatron-Bridge provider takes them, any config that holds
+  other values stops the run (the core never reads ``megatron.training`` nor knows Bridge).
 
 Pristine sources, always pinned: megatron-core 0.19.2 by the sha256 of the files the patch
 touches (read from the installed distribution when it is that release, else from the registry

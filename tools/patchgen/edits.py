@@ -1,7 +1,7 @@
 """AST-anchored edits of the pristine Megatron files, and the unified diffs that make them.
 
 One function per touched file (:func:`edit_config`, :func:`edit_mtp`, :func:`edit_gpt`,
-:func:`edit_global_vars`) finds
+:func:`edit_training`) finds
 where each snippet goes and records it on an :class:`Editor`, which renders the result and the
 diff.
 """
@@ -14,13 +14,12 @@ from .facts import (
     process_mtp_loss_call,
 )
 from .layout import (
-    CONFIG_FILE, GLOBAL_VARS_FILE, GPT_FILE, INLINE_CONDITION, MTP_FILE, TARGET_PACKAGE, PatchError,
+    CONFIG_FILE, GPT_FILE, INLINE_CONDITION, MTP_FILE, TRAINING_FILE, PatchError,
 )
-from .package import field_names, shipped_modules
+from .package import field_names, new_files
 from .snippets import (
-    MTP_LOSS_MODULE, snippet_attach, snippet_block_args_check, snippet_config_import,
-    snippet_fields, snippet_global_vars, snippet_gpt_import, snippet_inline_gpt,
-    snippet_postprocess_start, snippet_process_mtp_loss, snippet_process_mtp_loss_call,
+    MTP_LOSS_MODULE, snippet_attach, snippet_config_import, snippet_fields, snippet_get_model,
+    snippet_gpt_import, snippet_inline_gpt, snippet_postprocess_start, snippet_process_mtp_loss, snippet_process_mtp_loss_call,
     snippet_track_metrics, snippet_validate, snippet_wrapped_call,
 )
 
@@ -161,8 +160,7 @@ def _enclosing_function(root, target):
 
 def edit_mtp(text: str) -> Editor:
     """The metrics logging in ``track_mtp_metrics``; in ``process_mtp_loss`` (where the tree has
-    it) the dispatch to the TV losses; the check of Megatron's arguments first in
-    ``MultiTokenPredictionBlock.__init__``."""
+    it) the dispatch to the TV losses."""
     tree = ast.parse(text)
     ed = Editor(text)
     helper = _find_class(tree, 'MTPLossLoggingHelper')
@@ -179,11 +177,6 @@ def edit_mtp(text: str) -> Editor:
         if missing:
             raise PatchError(f'{MTP_FILE}: process_mtp_loss lacks {sorted(missing)}')
         ed.insert(_after_docstring(fn), snippet_process_mtp_loss(params))
-    block = _find_class(tree, 'MultiTokenPredictionBlock')
-    init = _find_function(block.body, '__init__')
-    if init is None or [a.arg for a in init.args.args[:2]] != ['self', 'config']:
-        raise PatchError(f'{MTP_FILE}: MultiTokenPredictionBlock.__init__(self, config, ...) not found')
-    ed.insert(_after_docstring(init), snippet_block_args_check())
     return ed
 
 
@@ -228,23 +221,23 @@ def edit_gpt(text: str) -> Editor:
     return ed
 
 
-def edit_global_vars(text: str) -> Editor:
-    """At the end of ``megatron/training/global_vars.py``: tell the MTP loss where the parsed
-    arguments are (the module's ``_GLOBAL_ARGS``, read at each call)."""
+def edit_training(text: str) -> Editor:
+    """In ``megatron/training/training.py``'s ``get_model``, right after the built model becomes a
+    list of chunks: Megatron's arguments applied to their configs."""
     tree = ast.parse(text)
-    globals_ = {
-        target.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
-        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
-        if isinstance(target, ast.Name)
-    }
-    if '_GLOBAL_ARGS' not in globals_ or _find_function(tree.body, 'set_args') is None:
-        raise PatchError(f'{GLOBAL_VARS_FILE}: no module-level _GLOBAL_ARGS and set_args')
-    if 'set_megatron_args_source' in text:
-        raise PatchError(f'{GLOBAL_VARS_FILE} already calls set_megatron_args_source: already patched?')
+    fn = _find_function(tree.body, 'get_model')
+    if fn is None or not fn.args.args or fn.args.args[0].arg != 'model_provider_func':
+        raise PatchError(f'{TRAINING_FILE}: no get_model(model_provider_func, ...)')
+    if 'apply_mtp_loss_args' in text:
+        raise PatchError(f'{TRAINING_FILE} already calls apply_mtp_loss_args: already patched?')
+    listed = [n for n in fn.body if isinstance(n, ast.If)
+              and ast.unparse(n) == 'if not isinstance(model, list):\n    model = [model]']
+    if len(listed) != 1 or listed[0].col_offset != 4:
+        raise PatchError(f'{TRAINING_FILE}: get_model has no `if not isinstance(model, list): '
+                         'model = [model]` at its top level')
     ed = Editor(text)
-    ed.insert(len(ed.lines), snippet_global_vars())
+    ed.insert(listed[0].end_lineno, snippet_get_model())
     return ed
-
 
 def _wrap_process_mtp_loss_call(ed: Editor, post, facts) -> None:
     """``hidden_states = process_mtp_loss(...)`` goes under the ``else:`` of
@@ -268,13 +261,12 @@ def megatron_edits(files: Dict[str, str]) -> Dict[str, Editor]:
         CONFIG_FILE: edit_config(files[CONFIG_FILE]),
         MTP_FILE: edit_mtp(files[MTP_FILE]),
         GPT_FILE: edit_gpt(files[GPT_FILE]),
-        GLOBAL_VARS_FILE: edit_global_vars(files[GLOBAL_VARS_FILE]),
+        TRAINING_FILE: edit_training(files[TRAINING_FILE]),
     }
 
 
 def patched_files(files: Dict[str, str]) -> Dict[str, str]:
     """What the patch turns the tree into: the patched Megatron files and the new package files."""
     out = {path: ed.result() for path, ed in megatron_edits(files).items()}
-    for rel, text in shipped_modules().items():
-        out[f'{TARGET_PACKAGE}/{rel}'] = text
+    out.update(new_files())
     return out

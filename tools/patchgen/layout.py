@@ -17,9 +17,12 @@ TARGET_MODULE = TARGET_PACKAGE.replace('/', '.')
 CONFIG_FILE = 'megatron/core/transformer/transformer_config.py'
 MTP_FILE = 'megatron/core/transformer/multi_token_prediction.py'
 GPT_FILE = 'megatron/core/models/gpt/gpt_model.py'
-#: The training side's global arguments: it tells the MTP loss where they are.
-GLOBAL_VARS_FILE = 'megatron/training/global_vars.py'
-TOUCHED = (CONFIG_FILE, MTP_FILE, GPT_FILE, GLOBAL_VARS_FILE)
+#: The training side's ``get_model``: it applies Megatron's arguments to the built models' configs.
+TRAINING_FILE = 'megatron/training/training.py'
+TOUCHED = (CONFIG_FILE, MTP_FILE, GPT_FILE, TRAINING_FILE)
+#: Where the training side's module (megatron/mtp_tv/training_args.py) goes in a patched tree.
+TRAINING_MODULE_FILE = 'megatron/training/mtp_tv_args.py'
+TRAINING_MODULE = TRAINING_MODULE_FILE[:-3].replace('/', '.')
 
 #: The condition of the inline MTP loss branch in radixark miles-main's GPTModel._postprocess.
 INLINE_CONDITION = "self.config.mtp_num_layers and mtp_kwargs.get('mtp_labels', None) is not None"

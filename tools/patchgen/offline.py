@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 
 from .facts import fact_problems
 from .layout import TARGET_PACKAGE, PatchError
-from .package import shipped_modules
+from .package import new_files
 from .render import new_file_diff, render_header
 from .snippets import expected_changes, expected_edits
 from .targets import Target
@@ -57,14 +57,14 @@ def check_offline(target: Target, text: str) -> List[str]:
         problems.append('the header (text before the first diff) differs from what the generator '
                         'renders now')
     files = parse_patch(text)
-    shipped = {f'{TARGET_PACKAGE}/{rel}': src for rel, src in shipped_modules().items()}
-    in_patch = {p for p, d in files.items() if p.startswith(TARGET_PACKAGE + '/')}
+    shipped = new_files()
+    in_patch = {p for p, d in files.items() if d.new_file or p.startswith(TARGET_PACKAGE + '/')}
     for p in sorted(set(shipped) ^ in_patch):
         problems.append(f'{p}: {"missing from" if p in shipped else "no longer in"} the package')
     for p in sorted(set(shipped) & in_patch):
         d = files[p]
         if not d.new_file or d.removed or d.added != shipped[p].split('\n')[:-1]:
-            problems.append(f'{p}: differs from megatron/mtp_tv/{p[len(TARGET_PACKAGE) + 1:]}')
+            problems.append(f'{p}: differs from what the package source renders')
     for path, (added, removed) in expected_changes(target.facts).items():
         d = files.get(path)
         if d is None:
@@ -96,13 +96,13 @@ def regenerate_offline(target: Target, text: str) -> str:
     out = [render_header(target)]
     for sec in sections:
         path = sec.split('\n', 1)[0].split(' b/', 1)[1]
-        if path.startswith(TARGET_PACKAGE + '/'):
+        if '\nnew file mode ' in sec.split('\n@@', 1)[0]:
             continue  # re-rendered below
         if path not in edits:
             raise PatchError(f'{target.name}: unexpected file {path} in the patch')
         out.append(_rerender_hunks(target.name, path, sec, edits[path]))
-    for rel, text_ in sorted(shipped_modules().items()):
-        out.append(new_file_diff(f'{TARGET_PACKAGE}/{rel}', text_))
+    for path, text_ in sorted(new_files().items()):
+        out.append(new_file_diff(path, text_))
     new = ''.join(out)
     problems = check_offline(target, new)
     if problems:

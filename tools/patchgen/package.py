@@ -12,13 +12,16 @@ import textwrap
 from pathlib import Path
 from typing import Dict, Sequence, Tuple
 
-from .layout import REPO, TARGET_MODULE, PatchError
+from .layout import REPO, TARGET_MODULE, TARGET_PACKAGE, TRAINING_MODULE_FILE, PatchError
 
 #: The package source. Only this module reads it (tests point it at a changed copy).
 PACKAGE_DIR = REPO / 'megatron' / 'mtp_tv'
 #: Package files that only make sense for the plugin and are not shipped: a patched tree has the
 #: feature in its own source (``install()`` is a no-op there).
-NOT_SHIPPED = ('launch.py', 'plugin.py', 'startup_hook.py')
+NOT_SHIPPED = ('launch.py', 'plugin.py', 'startup_hook.py', 'training_args.py')
+#: Package modules of the training side: a patch installs each at the tree path given (nothing
+#: under megatron/core imports them), its relative imports of the package made absolute.
+TRAINING_SIDE = {'training_args.py': TRAINING_MODULE_FILE}
 
 
 def shipped_modules() -> Dict[str, str]:
@@ -31,6 +34,17 @@ def shipped_modules() -> Dict[str, str]:
         text = path.read_text()
         _check_relocatable(rel.as_posix(), text)
         out[rel.as_posix()] = text
+    return out
+
+
+def new_files() -> Dict[str, str]:
+    """``{path in the patched tree: source}`` of every file a patch creates: the shipped modules
+    under the core's package, and the training side's modules."""
+    out = {f'{TARGET_PACKAGE}/{rel}': text for rel, text in shipped_modules().items()}
+    for rel, path in TRAINING_SIDE.items():
+        text = (PACKAGE_DIR / rel).read_text()
+        _check_relocatable(rel, text)
+        out[path] = re.sub(r'^from \.(\w+) import', rf'from {TARGET_MODULE}.\1 import', text, flags=re.M)
     return out
 
 

@@ -8,7 +8,7 @@ from typing import Dict
 from .edits import megatron_edits
 from .facts import check_facts, derive_facts
 from .layout import TARGET_PACKAGE, TOUCHED, PatchError
-from .package import field_names, shipped_modules
+from .package import field_names, new_files
 from .sources import files_sha
 from .targets import Target
 
@@ -63,6 +63,6 @@ def render_patch(target: Target, files: Dict[str, str]) -> str:
     parts = [render_header(target)]
     for path in TOUCHED:
         parts.append(edits[path].diff(path))
-    for rel, text in sorted(shipped_modules().items()):
-        parts.append(new_file_diff(f'{TARGET_PACKAGE}/{rel}', text))
+    for path, text in sorted(new_files().items()):
+        parts.append(new_file_diff(path, text))
     return ''.join(parts)

@@ -6,7 +6,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from .facts import Facts
 from .layout import (
-    CONFIG_FILE, GLOBAL_VARS_FILE, GPT_FILE, INLINE_CONDITION, MTP_FILE, TARGET_MODULE,
+    CONFIG_FILE, GPT_FILE, INLINE_CONDITION, MTP_FILE, TARGET_MODULE, TRAINING_FILE, TRAINING_MODULE,
 )
 
 from .package import fields_block, tv_loss_params
@@ -36,35 +36,28 @@ def snippet_fields() -> List[str]:
 
 
 def snippet_config_import() -> List[str]:
-    return [
-        f'from {TARGET_MODULE}.bridge import carry_to_bridge_provider',
-        f'from {TARGET_MODULE}.config import validate_mtp_loss_config',
-    ]
+    return [f'from {TARGET_MODULE}.config import validate_mtp_loss_config']
 
 
 def snippet_validate() -> List[str]:
     return [
         '',
-        '        # MTP loss settings (the mtp_tv fields above): a Megatron-Bridge provider first takes',
-        "        # the ones Megatron's parsed arguments ask for (mtp_tv/bridge.py).",
-        '        carry_to_bridge_provider(self)',
+        '        # MTP loss settings (the mtp_tv fields above).',
         '        validate_mtp_loss_config(self)',
     ]
 
 
-def snippet_global_vars() -> List[str]:
-    """Appended to ``megatron/training/global_vars.py``: where the MTP loss reads the arguments."""
+def snippet_get_model() -> List[str]:
+    """In ``get_model``, once the model chunks are a list: their configs hold the MTP loss
+    settings Megatron's arguments ask for (a Megatron-Bridge provider takes them here)."""
     return [
         '',
+        f'    {_HEADER}',
+        "    # The model's config holds the MTP loss settings the arguments ask for, or a ValueError",
+        "    # (never a silent 'ce'); a Megatron-Bridge provider takes them here.",
+        f'    from {TRAINING_MODULE} import apply_mtp_loss_args',
         '',
-        _HEADER,
-        "# megatron.core checks the MTP loss settings Megatron's parsed arguments ask for against the",
-        '# model config (and carries them onto Megatron-Bridge providers) but never imports',
-        '# megatron.training: tell it where the arguments are. Read at each call, so it sees what',
-        '# set_args, unset_global_variables or a direct assignment of _GLOBAL_ARGS left.',
-        f'from {TARGET_MODULE}.bridge import set_megatron_args_source  # noqa: E402',
-        '',
-        'set_megatron_args_source(lambda: _GLOBAL_ARGS)',
+        '    apply_mtp_loss_args(model, args)',
     ]
 
 
@@ -102,17 +95,6 @@ def snippet_track_metrics() -> List[str]:
         '',
         '        log_acceptance_metrics(iteration, writer, wandb_writer, total_loss_dict)',
         '',
-    ]
-
-
-def snippet_block_args_check() -> List[str]:
-    """First in ``MultiTokenPredictionBlock.__init__``: the config is what the arguments ask for."""
-    return [
-        "        # mtp_tv: the MTP loss Megatron's arguments ask for, or a ValueError (never a silent",
-        "        # 'ce'). Imported here: the mtp_tv package imports this module.",
-        f'        from {TARGET_MODULE}.bridge import check_megatron_args',
-        '',
-        '        check_megatron_args(config)',
     ]
 
 
@@ -245,7 +227,6 @@ def expected_edits(facts: Facts) -> Dict[str, List[Tuple[List[str], List[str]]]]
     mtp = [(snippet_track_metrics(), [])]
     if facts.process_mtp_loss_params is not None:
         mtp.append((snippet_process_mtp_loss(facts.process_mtp_loss_params), []))
-    mtp.append((snippet_block_args_check(), []))
     gpt = [(snippet_gpt_import(), []), (snippet_postprocess_start(), [])]
     if facts.inline_gpt_loss:
         before, replace = snippet_inline_gpt(facts.postprocess_output_processor)
@@ -260,7 +241,7 @@ def expected_edits(facts: Facts) -> Dict[str, List[Tuple[List[str], List[str]]]]
         CONFIG_FILE: [(snippet_config_import(), []), (snippet_fields(), []), (snippet_validate(), [])],
         MTP_FILE: mtp,
         GPT_FILE: gpt,
-        GLOBAL_VARS_FILE: [(snippet_global_vars(), [])],
+        TRAINING_FILE: [(snippet_get_model(), [])],
     }
 
 

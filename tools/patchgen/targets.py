@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from .facts import Facts
-from .layout import CONFIG_FILE, GLOBAL_VARS_FILE, GPT_FILE, MTP_FILE, PATCH_DIR
+from .layout import CONFIG_FILE, GPT_FILE, MTP_FILE, PATCH_DIR, TRAINING_FILE
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ TARGETS: Dict[str, Target] = {
                 CONFIG_FILE: '3b0843377e6c827b1e2e389edec30392d3c288ab5c58d168167d0c85a26949ee',
                 MTP_FILE: '3261d63df93a77493678265d4eb55cac0fc918901537a4076460b2b09d11e5ac',
                 GPT_FILE: 'f42663bf44c39273ae4febfac9ce9e567c5d4b31bf60aa3c6df99372eff45cc1',
-                GLOBAL_VARS_FILE: '1ce836a2982ad2a9ef901e9969e588306db5305745899cf653521bbe789090a6',
+                TRAINING_FILE: 'd968ef8216f63d6373372190ac895fc905234c116bba3e804d2951876e6ad98c',
             },
         ),
         Target(

@@ -1,0 +1,117 @@
+"""Megatron's parsed arguments and the model configs that are not built from them (training side).
+
+Megatron's own path builds the model config with ``core_transformer_config_from_args``, which
+copies every same-named argument, so ``--mtp-loss-type tv`` reaches the model. A Megatron-Bridge
+provider (a ``TransformerConfig`` subclass that ``AutoBridge.to_megatron_provider()`` fills from a
+Hugging Face config) is not built that way: miles' bridge mode (``--megatron-to-hf-mode bridge``)
+copies a fixed list of arguments onto it (parallelism, recompute, fp8, ...) and none of this
+package's. :func:`apply_mtp_loss_args` closes that gap where Megatron builds its models
+(``megatron/training/training.py::get_model``, which ``pretrain_gpt.py`` and miles call): a Bridge
+provider takes the MTP loss fields the arguments ask for, and any other config that holds a
+different value stops the run with a ``ValueError`` naming both, so a flag is never parsed and then
+silently dropped. The loss reads its fields at every call, so a field set on a built model's config
+takes effect.
+
+This module belongs to the training side: patches install it as ``megatron/training/mtp_tv_args.py``
+(nothing under ``megatron/core`` imports it), the plugin calls it from its own hooks.
+"""
+
+import dataclasses
+import sys
+from typing import Dict, Iterable
+
+from .config import MTPLossConfig, is_cross_entropy, validate_mtp_loss_config
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MTPLossConfig)}
+
+
+def apply_mtp_loss_args(model: Iterable, args) -> None:
+    """Make each model chunk's config hold the MTP loss settings ``args`` ask for.
+
+    Args:
+        model: the model chunks ``get_model`` built (modules with a ``config``).
+        args: Megatron's parsed arguments.
+
+    Raises:
+        ValueError: a config holds another value than the arguments ask for (a Bridge provider:
+            another non-default value), naming both and how to fix it.
+    """
+    configs = {id(c): c for c in (getattr(m, 'config', None) for m in model) if c is not None}
+    for config in configs.values():
+        carry_to_bridge_provider(config, args)
+        check_megatron_args(config, args)
+        validate_mtp_loss_config(config)
+
+
+def requested_fields(args) -> Dict[str, object]:
+    """The MTP loss fields that ``args`` hold with a value other than the field's default."""
+    return {
+        name: getattr(args, name)
+        for name, default in _DEFAULTS.items()
+        if hasattr(args, name) and not _same(name, getattr(args, name), default)
+    }
+
+
+def is_bridge_provider(config) -> bool:
+    """Whether ``config`` is a Megatron-Bridge model provider (without importing Bridge)."""
+    module = sys.modules.get('megatron.bridge.models.model_provider')
+    mixin = getattr(module, 'ModelProviderMixin', None)
+    return mixin is not None and isinstance(config, mixin)
+
+
+def carry_to_bridge_provider(config, args) -> None:
+    """Copy the MTP loss fields ``args`` ask for onto ``config`` if it is a Megatron-Bridge
+    provider. Arguments at their default ask for nothing, so a value set on the provider (a
+    Bridge recipe's ``cfg.model.mtp_loss_type``) stays.
+
+    Raises:
+        ValueError: the provider holds a non-default value that differs from the arguments'.
+    """
+    if args is None or not is_bridge_provider(config):
+        return
+    for name, value in requested_fields(args).items():
+        held = getattr(config, name, _DEFAULTS[name])
+        if not _same(name, held, _DEFAULTS[name]) and not _same(name, held, value):
+            raise ValueError(
+                f'{type(config).__name__}.{name}={held!r}, but Megatron\'s arguments ask for '
+                f'{_flag(name)} {value!r}; set one of them, or both to the same value.'
+            )
+        setattr(config, name, value)
+
+
+def check_megatron_args(config, args) -> None:
+    """Raise if ``args`` ask for MTP loss settings that ``config`` does not hold.
+
+    Raises:
+        ValueError: naming each differing argument, the config's value and how to fix it.
+    """
+    if args is None:
+        return
+    wrong = {
+        name: (value, getattr(config, name, _DEFAULTS[name]))
+        for name, value in requested_fields(args).items()
+        if not _same(name, getattr(config, name, _DEFAULTS[name]), value)
+    }
+    if wrong:
+        asked = ', '.join(f'{_flag(n)} {v!r}' for n, (v, _) in wrong.items())
+        held = ', '.join(f'{n}={h!r}' for n, (_, h) in wrong.items())
+        raise ValueError(
+            f"Megatron's arguments ask for {asked}, but the model's config "
+            f'({type(config).__name__}) holds {held}, so the MTP loss would not be the one asked '
+            'for. The config was not built from these arguments (core_transformer_config_from_args '
+            'copies them; a Megatron-Bridge provider takes them once the model is built by '
+            "Megatron's get_model, or in plugin mode in finalize() once megatron.mtp_tv.install() "
+            "and Megatron's set_args have run), or a field was assigned after construction. Set "
+            "the same values on the config where it is built (e.g. provider.mtp_loss_type = 'tv' "
+            'before provider.finalize()), or drop the flags.'
+        )
+
+
+def _same(name: str, a, b) -> bool:
+    if name == 'mtp_loss_type' and is_cross_entropy(a) and is_cross_entropy(b):
+        return True  # 'ce' and 'cross_entropy' are one loss
+    return a == b
+
+
+def _flag(name: str) -> str:
+    return '--' + name.replace('_', '-')
