@@ -316,8 +316,9 @@ def test_quick_run_step_rows(quick_report):
     stdout, report = quick_report
     args, env = report['args'], report['environment']
     assert env['loss_mode'] == 'plugin'  # no patched tree on this path
-    main_logits = importlib.util.find_spec('megatron.mtp_tv.main_logits') is not None
-    source = 'main logits' if main_logits else 'own projection'
+    from megatron.mtp_tv import mtp_loss
+
+    source = 'main logits' if hasattr(mtp_loss, 'attach_mtp_tv_loss') else 'own projection'
     assert env['tv_target'] == source
     rows = [r for r in report['rows'] if r['case'] == 'step']
     assert len(args['step_depths']) >= 1 and max(args['step_depths']) > 1  # e2e_tv exercised
@@ -335,7 +336,7 @@ def test_quick_run_step_rows(quick_report):
                 if impl == 'ce':
                     assert r['ratio'] == 1.0 and r['met'] is None and r['floor'] == 1.0
                 else:
-                    assert r['floor'] == (r['floor_main'] if main_logits else r['floor_own'])
+                    assert r['floor'] == (r['floor_main'] if source == 'main logits' else r['floor_own'])
                     assert r['target'] == "time <= 1.03x, peak <= CE's"
                     assert r['met'] in (True, False)
     assert '## step: `GPTModel._postprocess` fwd+bwd' in stdout

@@ -350,7 +350,9 @@ def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
             def on_main_logits():  # what GPTModel._postprocess does, its main head projected
                 main, drafts = mtp_loss.split_mtp_hidden_states(kwargs['hidden_states'], cfg)
                 rest = {k: v for k, v in kwargs.items() if k != 'hidden_states'}
-                return mtp_loss.attach_mtp_tv_loss(main_logits, main, drafts, **rest)
+                # a fresh tensor object each step, as the model's main head gives: the loss is
+                # attached to the logits in place (their storage is shared, nothing is copied)
+                return mtp_loss.attach_mtp_tv_loss(main_logits.detach(), main, drafts, **rest)
 
             return on_main_logits
         return lambda: gpt_model.process_mtp_loss(**kwargs)
