@@ -204,6 +204,8 @@ def apply_cpu_shims() -> None:
         _patch(torch.cuda, "get_rng_state", _cpu_get_rng_state)
         _patch(torch.cuda, "set_rng_state", _cpu_set_rng_state)
         _patch(torch.cuda, "manual_seed", _cpu_manual_seed)
+        # NVIDIA main seeds its hidden-state-mixing RNG (mtp_hsm) from torch.cuda.initial_seed().
+        _patch(torch.cuda, "initial_seed", torch.initial_seed)
 
         # 3. Causal mask built on "cuda". fused_softmax imported the name, so patch both.
         cpu_mask = _make_cpu_causal_mask_fn()

@@ -116,6 +116,7 @@ def _child(tree: Path) -> dict:
     results['main_logits'] = _check_main_logits()
     results['cli'] = _check_cli()
     results['model'] = _check_model()
+    results['mtp_hsm'] = _check_hsm()
     return results
 
 
@@ -284,6 +285,78 @@ def _check_model():
         cross_entropy_bit_identical_to_ce=True,
     )
     return out
+
+
+def _check_hsm():
+    """NVIDIA main's ``mtp_hsm`` (each depth's input mixed from the main hidden states and the
+    earlier depths' outputs) changes what the MTP layers read, not what they hand the loss: every
+    loss, its gradient on the hidden states it received and its logged per-depth loss against
+    the float64 reference from the equations (``mtp_tv_dev.reference``), in one training step.
+    Skipped where the tree has no ``mtp_hsm``."""
+    import dataclasses
+
+    import torch
+
+    from megatron.core.models.gpt import gpt_model
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.mtp_tv.losses import LOSSES
+    from mtp_tv_dev.cpu import causal_attention_mask
+    from mtp_tv_dev.distributed import single_process
+    from mtp_tv_dev.models import build_gpt_with_mtp, own_projection
+    from mtp_tv_dev.reference import depth_terms, objective, per_token_values, shifted_mask
+
+    if 'mtp_hsm' not in {f.name for f in dataclasses.fields(TransformerConfig)}:
+        return 'skipped: this tree has no mtp_hsm'
+    depth, b, s, vocab, scale = 3, 2, 16, 128, 0.1
+    torch.manual_seed(0)
+    tokens = torch.randint(0, vocab, (b, s))
+    mask = torch.ones(b, s)
+    errors = {}
+    for loss_type in LOSSES:
+        record = {}
+        original = gpt_model.process_mtp_loss
+
+        def recorder(hidden_states, **kwargs):  # the loss's input, its gradient kept
+            hidden_states.retain_grad()
+            record['hidden'] = hidden_states
+            return original(hidden_states=hidden_states, **kwargs)
+
+        with single_process():
+            model = build_gpt_with_mtp(
+                vocab_size=vocab, seq_length=s, mtp_num_layers=depth, mtp_hsm=True,
+                mtp_loss_type=loss_type, mtp_tv_chunk=8, mtp_loss_scaling_factor=scale,
+                tie_embeddings=False,
+            )
+            model.train()
+            MTPLossLoggingHelper.tracker.clear()
+            gpt_model.process_mtp_loss = recorder
+            try:
+                with own_projection():  # the loss in process_mtp_loss, where it is recorded
+                    loss = model(input_ids=tokens,
+                                 position_ids=torch.arange(s).unsqueeze(0).expand(b, s),
+                                 attention_mask=causal_attention_mask(s),
+                                 labels=torch.roll(tokens, -1, 1), loss_mask=mask)
+                    loss.mean().backward()
+            finally:
+                gpt_model.process_mtp_loss = original
+            logged = MTPLossLoggingHelper.tracker['loss_values'].clone()
+            hidden = record['hidden'].detach().double().requires_grad_()
+            main, *drafts = torch.chunk(hidden, 1 + depth, dim=0)
+            weight = model.output_layer.weight.detach().double()
+            alpha, kl = depth_terms(main.detach(), drafts, weight)
+            masks = torch.stack([shifted_mask(mask, k + 1).t() for k in range(depth)]).double()
+            objective(loss_type, alpha, kl, masks, scale).backward()
+            per_token = per_token_values(loss_type, alpha, kl).detach()
+            ref_logged = (masks * per_token).sum((1, 2)) / masks.sum((1, 2))
+        got = record['hidden'].grad[s:].double()
+        torch.testing.assert_close(got, hidden.grad[s:], rtol=1e-4, atol=1e-7,
+                                   msg=f'mtp_hsm, {loss_type}: gradient')
+        torch.testing.assert_close(logged.double(), ref_logged, rtol=1e-5, atol=1e-6,
+                                   msg=f'mtp_hsm, {loss_type}: logged mtp loss')
+        assert got.abs().sum() > 0, loss_type
+        errors[loss_type] = float((got - hidden.grad[s:]).abs().max())
+    return {'depths': depth, 'max_grad_error_vs_reference': errors}
 
 
 def _ce_fingerprint(patched: bool) -> dict:
