@@ -1,22 +1,4 @@
-"""Acceptance metrics in Megatron's MTP tracker, logged next to ``mtp_{i} loss``.
-
-Per step (summed over micro-batches and averaged over the data- and context-parallel ranks as
-sum / count, i.e. a token-weighted mean), at the configured ``mtp_tv_temperature``:
-
-* ``mtp_{i}_tv_acceptance``: mean of ``alpha_i = sum_v min(p, q_i)`` over the depth-i tokens, the
-  expected rejection-sampling acceptance rate of the token drafted at depth i;
-* ``mtp_expected_accepted_drafts``: mean over valid chains of ``sum_j prod_{i<=j} alpha_i``, the
-  expected number of accepted draft tokens per verify step;
-* ``mtp_expected_tokens_per_step``: one more than that (the verifier always adds a token);
-* ``mtp_{i}_greedy_agreement``: mean over depth-i tokens of ``1[argmax q_i == argmax p]``, the
-  acceptance of greedy (T = 0) verification (unlike Megatron's ``mtp_{i}_acceptance_rate``,
-  which compares with the data label);
-* ``mtp_expected_accepted_drafts_greedy``: mean over valid chains of
-  ``sum_j prod_{i<=j} agree_i``, the accepted drafts per greedy verify step.
-
-Megatron's tracker is class-level state of ``MTPLossLoggingHelper``; the extra keys below live in
-the same dict, are reduced before Megatron's own reduction and cleared with it.
-"""
+"""Acceptance metrics in Megatron's MTP tracker, next to ``mtp_{i} loss`` (docs/metrics.md)."""
 
 from typing import Dict, Optional
 
@@ -32,7 +14,7 @@ STATS = 'tv_acceptance_stats'
 
 
 def expected_accepted(alpha: torch.Tensor) -> torch.Tensor:
-    """``sum_j prod_{i<=j} alpha_i`` over the leading (depth) dimension of ``alpha``."""
+    """``sum_j prod_{i<=j} alpha_i`` over the leading (depth) dimension."""
     return alpha.cumprod(0).sum(0)
 
 
@@ -45,19 +27,7 @@ def save_acceptance_to_tracker(
     greedy_agreement: Optional[torch.Tensor] = None,
     per_depth_loss: Optional[torch.Tensor] = None,
 ) -> None:
-    """Accumulate one micro-batch's acceptance statistics into Megatron's MTP tracker.
-
-    Args:
-        alpha: ``[D, s, b]`` per-depth acceptance probabilities; None: no acceptance statistics
-            (cross-entropy without ``mtp_log_acceptance``), only the loss.
-        masks: ``[D, s, b]`` rolled loss masks (1: the depth-k token is scored).
-        greedy_correct: ``[D, s, b]`` bool, draft argmax == label, or None.
-        avg_group: group the metrics are averaged over (Megatron passes DP x CP).
-        log_loss: also record ``mtp_{i} loss`` (the mean per-token objective per depth) and the
-            greedy correct/total counts through Megatron's ``save_metrics_to_tracker``.
-        greedy_agreement: ``[D, s, b]`` bool, draft argmax == main-model argmax (None: zeros).
-        per_depth_loss: ``[D, s, b]`` per-token objective of each depth (None: ``1 - alpha``).
-    """
+    """Adds one micro-batch's ``[D, s, b]`` statistics to Megatron's MTP tracker."""
     depth = masks.shape[0]
     masks = masks.float()
     count = masks.sum(dim=(1, 2))
@@ -98,10 +68,7 @@ def save_acceptance_to_tracker(
 
 
 def acceptance_metrics() -> Dict[str, torch.Tensor]:
-    """Reduce the accumulated statistics over the averaging group and return named metrics.
-
-    Clears the statistics. Returns an empty dict if nothing was recorded.
-    """
+    """Reduces and clears the accumulated statistics; returns the metrics by name (or {})."""
     tracker = _mtp.MTPLossLoggingHelper.tracker
     if STATS not in tracker:
         return {}
@@ -127,9 +94,7 @@ def acceptance_metrics() -> Dict[str, torch.Tensor]:
 def log_acceptance_metrics(
     iteration: int, writer=None, wandb_writer=None, total_loss_dict=None
 ) -> Dict[str, torch.Tensor]:
-    """Write :func:`acceptance_metrics` to TensorBoard / W&B the way Megatron writes MTP losses,
-    and add them to ``total_loss_dict`` so that Megatron's console iteration line prints their
-    mean over the logging interval (as it does for ``mtp_{i} loss``)."""
+    """Writes :func:`acceptance_metrics` to TensorBoard, W&B and ``total_loss_dict``."""
     metrics = acceptance_metrics()
     for name, value in metrics.items():
         if writer is not None:

@@ -1,17 +1,4 @@
-"""Megatron glue: the losses behind Megatron's ``process_mtp_loss``.
-
-Megatron's ``process_mtp_loss`` keeps its own code for ``'ce'`` and hands every other
-``mtp_loss_type`` (and ``'ce'`` with ``mtp_ce_chunked``) to :func:`process_mtp_tv_loss`, which
-projects the target itself. ``GPTModel._postprocess`` projects the main head right after the
-MTP loss, and those logits are the target every TV-family loss needs: there the hidden states
-are split (:func:`split_mtp_hidden_states`), the main head projected, and the loss computed on
-its logits and attached to them (:func:`attach_mtp_tv_loss`), so the target is projected once.
-
-Everything around the loss stays Megatron's: labels and loss mask are rolled with Megatron's
-``roll_tensor`` (so masks, packed-sequence and context-parallel boundaries and ``num_tokens`` are
-exactly those of the CE path), the normalisation, ``calculate_per_token_loss``, the autoscaler's
-backward scale and the tracker.
-"""
+"""Megatron glue: the MTP losses behind ``process_mtp_loss`` (docs/main_logits.md)."""
 
 import inspect
 from typing import Callable, List, NamedTuple, Optional, Tuple
@@ -39,12 +26,7 @@ from .vocab_parallel import group_size, vocab_range
 def _roll_once(
     tensor: Tensor, cp_group, packed_seq_params, roll_context=None, field=None, roll_depth=0
 ):
-    """Megatron's ``roll_tensor(tensor, shifts=-1, dims=-1, ...)`` -> ``(rolled, rolled.sum())``.
-
-    Trees whose ``roll_tensor`` rolls a list of tensors and returns the list (NVIDIA dev, radixark
-    miles-main-20260819) are called that way, with the microbatch's ``sequence_roll_context``
-    (see :func:`_roll_context_kwargs`).
-    """
+    """Megatron's ``roll_tensor(tensor, shifts=-1, dims=-1)`` -> ``(rolled, rolled.sum())``."""
     roll_tensor = _mtp.roll_tensor
     if 'sequence_fields' in inspect.signature(roll_tensor).parameters:
         (rolled,) = roll_tensor(
@@ -63,29 +45,12 @@ def _roll_once(
 
 
 def _roll_context_kwargs(roll_context, field: Optional[str], roll_depth: int) -> dict:
-    """The ``roll_tensor`` arguments that let NVIDIA dev roll with its prefetched halos.
-
-    dev's ``process_mtp_loss`` rolls each field (``'labels'``, ``'loss_mask'``, or
-    ``'input_ids'`` when the labels are derived from them) with the ``sequence_roll_context``
-    of the microbatch, naming the field and how many times it was rolled before
-    (``roll_depth``): with contiguous packed context parallelism the row that enters at the
-    shard's end is then read from the halo rows prefetched from the next rank (sanitised at
-    sequence ends) instead of a send/receive per roll. The same calls, so the same masks.
-    """
     if roll_context is None:
         return {}
     return dict(roll_context=roll_context, sequence_fields=[field], roll_depth=roll_depth)
 
 
 def _cp_layout(packed_seq_params, cp_group, loss_type: str) -> str:
-    """How context parallelism splits the sequence: ``'zigzag'`` or ``'contiguous'``.
-
-    Read from ``packed_seq_params.cp_partition_mode`` (NVIDIA dev; absent elsewhere, where the
-    layout is always zigzag). Unpacked sequences are always zigzag, as in dev's ``roll_tensor``.
-
-    Raises:
-        ValueError: for a partition mode the target alignment does not know.
-    """
     layout = getattr(packed_seq_params, 'cp_partition_mode', None) or 'zigzag'
     if group_size(cp_group) > 1 and layout not in CP_LAYOUTS:
         raise ValueError(
@@ -113,22 +78,14 @@ def process_mtp_tv_loss(
     sequence_roll_context=None,
     metrics_only: bool = False,
 ) -> Tensor:
-    """Megatron's ``process_mtp_loss`` for every loss but Megatron's own ``'ce'``: the target
-    projected here from the main hidden states.
-
-    Where the caller projects the main head next (``GPTModel._postprocess``), it splits the
-    hidden states with :func:`split_mtp_hidden_states` instead and, once it has the main logits,
-    calls :func:`attach_mtp_tv_loss`, so the target is not projected twice.
+    """Megatron's ``process_mtp_loss`` (same arguments) for every loss but its own ``'ce'``.
 
     Args:
-        hidden_states: ``[(1+D)s, b, h]``, the main rows then each depth's (Megatron's layout).
-        metrics_only: compute and log the acceptance metrics, attach no loss (Megatron's
-            ``'ce'`` with ``mtp_log_acceptance``, under ``torch.no_grad``).
-        The others: as ``process_mtp_loss``; ``sequence_roll_context`` (NVIDIA dev, contiguous
-        packed context parallelism) goes to every ``roll_tensor`` call.
+        hidden_states: ``[(1+D)s, b, h]``, the main rows then each depth's.
+        metrics_only: log the metrics, attach no loss (``'ce'`` with ``mtp_log_acceptance``).
 
     Returns:
-        The main hidden states ``[s, b, h]``, the MTP loss attached (``MTPLossAutoScaler``).
+        The main hidden states ``[s, b, h]``, the MTP loss attached.
     """
     del runtime_gather_output, compute_language_model_loss  # the sweep never builds full logits
     main_hidden, draft_hidden = split_mtp_hidden_states(hidden_states, config)
@@ -161,18 +118,13 @@ def attach_mtp_tv_loss(
     input_ids: Optional[Tensor] = None,
     sequence_roll_context=None,
 ) -> Tensor:
-    """The MTP loss against the main head's own logits, attached to them.
-
-    ``GPTModel._postprocess`` calls this right after projecting the main head, with the two
-    parts of :func:`split_mtp_hidden_states` and the arguments it gives ``process_mtp_loss``.
+    """Runs the MTP loss against ``main_logits`` and returns them with it attached.
 
     Args:
-        main_logits: ``[s, b, V/tp]`` (or the gathered vocabulary): the target (detached here).
-        main_hidden: ``[s, b, h]`` the hidden states they were projected from.
-        draft_hidden: ``[D*s, b, h]`` every depth's hidden states.
-
-    Returns:
-        ``main_logits``, whose backward also starts the MTP loss's backward.
+        main_logits: ``[s, b, V/tp]`` (or the gathered vocabulary), the detached target.
+        main_hidden: ``[s, b, h]``, what they were projected from.
+        draft_hidden: ``[D*s, b, h]``, every depth's hidden states; the other arguments are
+            ``process_mtp_loss``'s.
     """
     del runtime_gather_output, compute_language_model_loss
     loss = _mtp_tv_loss(
@@ -186,26 +138,14 @@ def attach_mtp_tv_loss(
 
 
 def split_mtp_hidden_states(hidden_states: Tensor, config) -> Tuple[Tensor, Tensor]:
-    """``([s, b, h] main rows, [D*s, b, h] draft rows)`` of ``[(1+D)s, b, h]``.
-
-    One split, as Megatron's ``torch.chunk``: in backward one node then assembles the
-    ``[(1+D)s, b, h]`` gradient; two views of the hidden states (a chunk and a slice) would each
-    build one of that size, and the loss would peak above cross-entropy's.
-    """
+    """``([s, b, h] main, [D*s, b, h] drafts)``, one split: one full-size gradient in backward."""
     s_main = hidden_states.shape[0] // (1 + config.mtp_num_layers)
     main, drafts = torch.split(hidden_states, [s_main, config.mtp_num_layers * s_main], dim=0)
     return main, drafts
 
 
 def mtp_loss_follows_main_logits(model, output_processor=None) -> bool:
-    """Whether ``model._postprocess`` computes this micro-batch's MTP loss after projecting the
-    main head (:func:`attach_mtp_tv_loss`) rather than in ``process_mtp_loss``: a loss with a
-    target, on a model whose main logits follow its MTP loss exactly once.
-
-    Not with an ``output_processor`` (it may never call the output layer), Megatron dev's fused
-    linear cross-entropy (no logits are materialised) or the config logger (dev projects the
-    main head twice then, once for the log): there the loss projects its own target.
-    """
+    """Whether ``model._postprocess`` runs the MTP loss on its main logits (docs/main_logits.md)."""
     config = model.config
     if not config.mtp_num_layers or runs_megatron_ce(config) or output_processor is not None:
         return False
@@ -220,10 +160,8 @@ def mtp_loss_follows_main_logits(model, output_processor=None) -> bool:
 
 
 class _AttachMTPLoss(torch.autograd.Function):
-    """Identity on the main logits whose backward also starts the MTP loss's backward:
-    ``MTPLossAutoScaler`` (its scale too) for logits. The logits come back as the same tensor,
-    marked dirty, so that Megatron's cross-entropy may still work on them in place (as it does
-    on fp32 logits); a Function returning its input as a view would forbid that."""
+    """``MTPLossAutoScaler`` for logits, returned as the same tensor marked dirty (not a view),
+    so that Megatron's cross-entropy may still work on them in place."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, mtp_loss: Tensor):
@@ -242,12 +180,8 @@ def _mtp_tv_loss(main_hidden, draft_hidden, main_logits, labels, loss_mask, outp
                  output_weight, is_training, config, cp_group, tp_group, packed_seq_params,
                  scale_logits_fn, input_ids, sequence_roll_context,
                  metrics_only=False) -> Optional[Tensor]:
-    """The scalar MTP loss (Megatron's ``scale * sum``), its metrics logged; None without
-    labels and input ids (nothing to train against)."""
-    # Per call: a field assigned after construction gets construction's ValueError, not a KeyError.
-    validate_mtp_loss_config(config)
-    # Built once per micro-batch. The main model's distribution: every TV-family loss compares
-    # with it; cross-entropy only for the acceptance metrics (mtp_log_acceptance, training).
+    """The scalar MTP loss, its metrics logged; None without labels and input ids."""
+    validate_mtp_loss_config(config)  # per call: fields may be assigned after construction
     options = MTPLossOptions.from_config(config, metrics=is_training, metrics_only=metrics_only)
 
     def roll(t, field, roll_depth):
@@ -269,12 +203,8 @@ def _mtp_tv_loss(main_hidden, draft_hidden, main_logits, labels, loss_mask, outp
 
 
 class _SweepInputs(NamedTuple):
-    """What the sweep of one micro-batch reads, prepared before the main logits exist."""
-
     draft: Tensor
-    """``[D, s, b, h]`` in the vocab-parallel layout."""
     target: Optional[Tensor]
-    """``[s, b, h]`` detached main hidden states, or None (no target, or none needed)."""
     weight: Tensor
     token_weights: Tensor
     rolled: '_Rolled'
@@ -291,9 +221,7 @@ def _sweep_inputs(options: MTPLossOptions, draft, main_hidden, rolled, config, o
         bool(getattr(output_layer, 'sequence_parallel', False)), needs_target_hidden,
     )
     target = target if options.with_target else None  # cross-entropy without metrics: no target rows
-    # Without context parallelism a sequence's targets are its own rows (the rolled masks stop
-    # them at its end): one segment, and the packed bounds are never read. Under zigzag CP they
-    # place the halos; that read (one per micro-batch) is this function's host synchronisation.
+    # Under zigzag CP the packed bounds place the halos: this function's one host sync.
     if target is None or group_size(cp_group) == 1:
         segments = [TargetSegment(0, draft.shape[1])]
     else:
@@ -307,7 +235,6 @@ def _sweep_inputs(options: MTPLossOptions, draft, main_hidden, rolled, config, o
 def _sweep_and_log(inputs: _SweepInputs, options: MTPLossOptions, scale_logits_fn,
                    is_training: bool, metrics_only: bool,
                    main_logits: Optional[Tensor] = None) -> Tensor:
-    """The loss (and the tracker's metrics), from the main logits or projecting the target."""
     if main_logits is not None:
         main_logits = _local_vocab_shard(main_logits, inputs.weight.shape[0], inputs.tp_group)
     rolled = inputs.rolled
@@ -331,24 +258,14 @@ def _sweep_and_log(inputs: _SweepInputs, options: MTPLossOptions, scale_logits_f
 
 
 class _Rolled(NamedTuple):
-    """Every depth's labels and loss mask, rolled exactly as Megatron's CE path rolls them."""
-
-    labels: List[Tensor]
-    """``D`` tensors ``[b, s]``: depth k's labels."""
-    masks: Tensor
-    """``[D, b, s]`` float: depth k's loss mask."""
-    num_tokens: List[Tensor]
-    """``D`` scalars: each depth's valid tokens (``roll_tensor``'s sum)."""
-    original_num_tokens: Tensor
-    """The unrolled mask's sum (``calculate_per_token_loss`` scales by it)."""
+    labels: List[Tensor]  # D x [b, s]
+    masks: Tensor  # [D, b, s] float
+    num_tokens: List[Tensor]  # D x roll_tensor's sum
+    original_num_tokens: Tensor  # the unrolled mask's sum
 
 
 def _roll_per_depth(labels, input_ids, loss_mask, depth: int, roll) -> Optional[_Rolled]:
-    """Labels and masks of every depth; None without labels and input ids.
-
-    As dev: labels derived from input_ids are input_ids rolled once more, so each depth's roll of
-    them (and of the mask, rolled along) reads one halo row further.
-    """
+    """Every depth's labels and masks, rolled as on Megatron's CE path (None without labels)."""
     derived = labels is None
     label_field = 'input_ids' if derived else 'labels'
     if derived:
@@ -371,9 +288,7 @@ def _roll_per_depth(labels, input_ids, loss_mask, depth: int, roll) -> Optional[
 
 
 def _token_weights(loss_fn, rolled: _Rolled, config) -> Tensor:
-    """The weights that carry mask and normalisation, so that the loss is Megatron's
-    ``scale * sum``: ``[D, s, b]`` per depth and token (normalised per depth as CE), or ``[s, b]``
-    per chain for a per-chain loss (a chain counts only if every depth's target is valid)."""
+    """Mask and normalisation as on Megatron's CE path, ``[D, s, b]`` (``[s, b]`` per chain)."""
     depth = rolled.masks.shape[0]
     if not loss_fn.per_chain:
         num_tokens = torch.stack(rolled.num_tokens).float().clamp(min=1)  # [D]
@@ -389,8 +304,6 @@ def _token_weights(loss_fn, rolled: _Rolled, config) -> Tensor:
 
 
 def _output_weight(output_layer, output_weight, config, loss_type: str) -> Tensor:
-    """The ``[V/tp, h]`` weight the drafts are projected with (detached with
-    ``mtp_detach_heads``). Raises ValueError for an output layer with a bias."""
     weight = output_weight if output_weight is not None else output_layer.weight
     if getattr(config, 'mtp_detach_heads', False):  # not a field in every Megatron tree
         weight = weight.detach()
@@ -403,10 +316,7 @@ def _output_weight(output_layer, output_weight, config, loss_type: str) -> Tenso
 
 
 def _vocab_parallel_layout(draft, main_hidden, depth, tp_group, sequence_parallel, needs_target):
-    """``(draft [D, s, b, h], target [s, b, h] or None)`` in the layout the vocab-sharded
-    projection needs, with Megatron's own TP mappings (their backward is the all-reduce /
-    reduce-scatter a column-parallel layer would do); ``draft`` comes in as ``[D*s', b, h]``,
-    one block per depth."""
+    """``(draft [D, s, b, h], target [s, b, h] or None)`` through Megatron's TP mappings."""
     target = main_hidden.detach()
     tp = group_size(tp_group)
     if tp > 1 and sequence_parallel:
@@ -422,8 +332,6 @@ def _vocab_parallel_layout(draft, main_hidden, depth, tp_group, sequence_paralle
 
 
 def _local_vocab_shard(main_logits: Tensor, vocab_local: int, tp_group) -> Tensor:
-    """``[s, b, V/tp]`` of this rank from the main logits (gathered over TP when the output layer
-    gathers its output, e.g. ``runtime_gather_output``)."""
     if main_logits.shape[-1] == vocab_local:
         return main_logits
     start, stop = vocab_range(vocab_local, tp_group)

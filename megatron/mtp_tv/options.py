@@ -1,13 +1,4 @@
-"""The settings of one draft loss, built and validated once: :class:`MTPLossOptions`.
-
-:func:`~.linear_tv.linear_tv_loss` takes the tensors and process groups of a call and one
-:class:`MTPLossOptions` for what it computes: the objective, the chunk, the verification
-temperature, the row kernels and whether to compare the draft and target argmax. The options
-check their values when they are built, so nothing downstream checks them again.
-:meth:`MTPLossOptions.from_config` builds them from a ``TransformerConfig``'s MTP loss fields.
-
-No Megatron imports.
-"""
+"""The settings of one draft loss, validated once: :class:`MTPLossOptions`."""
 
 import math
 from dataclasses import dataclass
@@ -17,46 +8,26 @@ from .config import is_cross_entropy
 from .losses import LOSSES, CrossEntropy, DraftLoss, loss_from_config, make_loss
 from .row_ops import ROW_KERNELS, RowKernels
 
-#: Loss names :class:`MTPLossOptions` accepts: cross-entropy against the labels, then the registry.
 LOSS_NAMES = (CrossEntropy.name,) + tuple(LOSSES)
 
 
 @dataclass(frozen=True)
 class MTPLossOptions:
-    """What a draft loss computes, fixed for a call of :func:`~.linear_tv.linear_tv_loss`.
+    """What a call of :func:`~.linear_tv.linear_tv_loss` computes; ValueError for a bad value.
 
     Args:
-        loss: the objective, or the name of one (see :attr:`loss`).
-        chunk_size: tokens per chunk, 0 for automatic.
-        temperature: the verification temperature.
-        kernels: the row kernels.
+        loss: a :class:`~.losses.DraftLoss`, or its name (``'ce'`` or a key of ``LOSSES``).
+        chunk_size: tokens per chunk (0: automatic).
+        temperature: the verification temperature (1 for a loss against the labels).
+        kernels: the row kernels, ``'auto'``, ``'torch'`` or ``'triton'``.
         metrics: also compute the greedy agreement of draft and target argmax.
-
-    Raises:
-        ValueError: for a bad value, naming it and what is allowed.
     """
 
     loss: Union[DraftLoss, str]
-    """The objective: a :class:`~.losses.DraftLoss`, or the name of one, built with its default
-    hyper-parameters: ``'ce'`` (:class:`~.losses.CrossEntropy`, against the labels) or a key of
-    :data:`~.losses.LOSSES`. Always a :class:`~.losses.DraftLoss` once built."""
-
     chunk_size: int = 0
-    """Tokens per chunk, an int >= 0; 0: :func:`~.linear_tv.auto_chunk_tokens`. A chunk covers
-    ``max(1, chunk_size // b)`` sequence positions of a micro-batch of ``b`` sequences."""
-
     temperature: float = 1.0
-    """The temperature drafts are verified at, finite and > 0: ``p`` and ``q`` are
-    ``softmax(logits / T)``. 1 for a loss against the labels (cross-entropy is at temperature 1).
-    Stored as a float."""
-
     kernels: RowKernels = 'auto'
-    """The row kernels: ``'auto'`` (Triton on CUDA fp32 logits, else torch), ``'torch'`` or
-    ``'triton'`` (required; :func:`~.row_ops.select_row_ops`)."""
-
     metrics: bool = False
-    """Also compute the greedy agreement of draft and target argmax (the greedy verifier's
-    acceptance); needs a target."""
 
     def __post_init__(self):
         loss = self.loss
@@ -84,29 +55,16 @@ class MTPLossOptions:
 
     @property
     def inv_temperature(self) -> float:
-        """``1 / temperature``, what the logits are multiplied by."""
         return 1.0 / self.temperature
 
     @property
     def with_target(self) -> bool:
-        """Whether the loss compares with the main model's distribution: every loss but
-        cross-entropy against the labels, and that one too for the metrics."""
+        """Whether the loss or the metrics compare with the main model's distribution."""
         return self.loss.needs_target or self.metrics
 
     @classmethod
     def from_config(cls, config, metrics: bool, metrics_only: bool = False) -> 'MTPLossOptions':
-        """The options of a ``TransformerConfig``'s MTP loss (its fields already validated,
-        :func:`~.config.validate_mtp_loss_config`).
-
-        Args:
-            config: a ``TransformerConfig`` with the fields of :class:`~.config.MTPLossConfig`.
-            metrics: this pass logs the acceptance metrics (training). The greedy agreement is
-                then computed where the loss has a target to compare with: always but for
-                cross-entropy against the labels (``mtp_ce_chunked``), which has one only with
-                ``mtp_log_acceptance``.
-            metrics_only: the metrics-only pass of Megatron's own ``'ce'``
-                (``mtp_log_acceptance``): the sums of ``'tv'``, no loss attached.
-        """
+        """The options of a validated config's MTP loss in this pass (training: ``metrics``)."""
         loss = draft_objective(config, metrics_only)
         return cls(
             loss,
@@ -120,9 +78,7 @@ class MTPLossOptions:
 
 
 def draft_objective(config, metrics_only: bool = False) -> DraftLoss:
-    """The loss a ``TransformerConfig``'s MTP loss computes in the sweep: the config's,
-    cross-entropy for ``'ce'`` with ``mtp_ce_chunked``, or ``'tv'``'s sums for the metrics-only
-    pass of Megatron's ``'ce'`` (``mtp_log_acceptance``)."""
+    """The config's loss; for ``'ce'``: cross-entropy if chunked, else ``'tv'`` (metrics pass)."""
     if not is_cross_entropy(config.mtp_loss_type):
         return loss_from_config(config)
     if getattr(config, 'mtp_ce_chunked', False) and not metrics_only:

@@ -1,26 +1,4 @@
-"""The per-row vocabulary passes of the draft losses, in torch and in Triton.
-
-One chunk of the sweep in :mod:`.linear_tv` holds the fp32 logits (already divided by the
-verification temperature) of the chunk's target rows and of every depth's draft rows in one
-``[m, V/tp]`` buffer, and needs:
-
-1. the normaliser of every row over the full vocabulary, and optionally its argmax
-   (``normalise_``: per-shard statistics combined with one all-gather under tensor parallelism,
-   see :func:`.combine_row_stats`);
-2. for a block of draft rows ``q`` and the target rows ``p`` they are compared with (``rows``
-   slices the normalised buffer), this shard's per-row sums (``pair_sums``; all-reduced by the
-   caller): the overlap ``sum_v min(p, q)``, and when asked the TV gradient's dot product
-   ``sum_v q_v 1[q_v < p_v]`` and ``KL(p || q) = sum_v p_v log(p_v / q_v)``;
-3. the logit gradient ``tv_coef * q * (dot - 1[q < p]) + kl_coef * (q - p)`` written over the
-   draft rows (``grad_``; or ``pair_sums`` itself when the shard is the whole vocabulary and the
-   loss can say a row's coefficients from the row's own overlap), or cross-entropy's
-   ``coef * (q - e_y)`` (``label_grad_``).
-
-:class:`TorchRowOps` materialises the probabilities in place and is the CPU path and test oracle.
-:class:`TritonRowOps` runs one program per row looping over vocabulary tiles (online max and
-normaliser, then the sums, then the gradient) and never materialises ``p`` or ``q``.
-:func:`select_row_ops` picks one and can say why the kernel is not used.
-"""
+"""The per-row vocabulary passes of the draft losses, in torch and in Triton."""
 
 import os
 from typing import Callable, Literal, NamedTuple, Optional, Tuple, get_args
@@ -31,52 +9,36 @@ from .scratch import Scratch
 from .vocab_parallel import ProcessGroup, combine_row_stats, group_size
 
 RowKernels = Literal['auto', 'torch', 'triton']
-#: The row kernels a sweep may use (``mtp_tv_kernels``; see :func:`select_row_ops`).
 ROW_KERNELS = get_args(RowKernels)
 
-#: Smallest normal fp32: probabilities are clamped to it inside KL's logarithm, so a draft that
-#: underflows where the target has mass adds at most ``p * 87.3`` per entry instead of infinity
-#: (the KL gradient ``q - p`` does not use the logarithm and stays exact).
+#: Smallest normal fp32: KL's logarithm clamps probabilities to it (docs/losses.md).
 _TINY = torch.finfo(torch.float32).tiny
 
-#: ``(rows, overlap of those rows) -> (tv_coef, kl_coef)`` for the one-pass gradient.
 CoefficientFn = Callable[[slice, torch.Tensor], Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]
 
 
 class RowStats(NamedTuple):
-    """Full-vocabulary statistics of every row of a chunk (after ``normalise_``)."""
+    """``[m]`` full-vocabulary row max, global argmax (or None) and ``log sum_v exp(z_v)``."""
 
     max: torch.Tensor
-    """``[m]`` row max of the logits."""
     argmax: Optional[torch.Tensor]
-    """``[m]`` int64 global vocabulary index of the max (lowest on ties), when asked for."""
     lse: torch.Tensor
-    """``[m]`` ``log sum_v exp(z_v)`` over the full vocabulary."""
 
 
 class PairSums(NamedTuple):
-    """This shard's per-row sums of draft rows against their target rows."""
+    """This shard's ``[n]`` ``sum_v min(p, q)``, ``sum_v q_v 1[q_v < p_v]`` and KL per row."""
 
     overlap: torch.Tensor
-    """``[n]`` ``sum_v min(p, q)``."""
     dot: Optional[torch.Tensor]
-    """``[n]`` ``sum_v q_v 1[q_v < p_v]``, when asked for."""
     kl: Optional[torch.Tensor]
-    """``[n]`` ``sum_v p_v log(p_v / q_v)``, when asked for."""
 
 
-#: Width of the groups :func:`row_max_argmax` reduces first.
 ARGMAX_GROUP = 256
 
 
 def row_max_argmax(z: torch.Tensor, out_max: torch.Tensor, out_argmax: torch.Tensor) -> None:
-    """Row max and first maximal index of ``z [r, V]``, as ``torch.max(z, -1)`` returns them.
-
-    ``torch.max`` with indices runs about 4x slower than ``torch.amax`` on a CPU; this takes the
-    vectorised max of groups of :data:`ARGMAX_GROUP` columns, the first maximal group, then the
-    first maximal column inside it (the lowest index on ties, as ``torch.argmax``), with the
-    columns past the last whole group compared at the end (the group's index wins a tie).
-    """
+    """Row max and first maximal index of ``z [r, V]``, as ``torch.max(z, -1)``, through group
+    maxima (faster on a CPU; docs/implementation.md)."""
     r, V = z.shape
     body = V - V % ARGMAX_GROUP
     if body < 2 * ARGMAX_GROUP:
@@ -96,36 +58,14 @@ def row_max_argmax(z: torch.Tensor, out_max: torch.Tensor, out_argmax: torch.Ten
 
 
 class TorchRowOps:
-    """Torch implementation: probabilities materialised in place of the logits.
-
-    Why it is shaped this way (CPU, where this is the production path):
-
-    * every pass writes into memory that already exists (the logits, or block-sized scratch
-      buffers that live as long as this object, i.e. one sweep): a fresh ``[n, V]`` tensor per
-      pass costs more in page faults than the arithmetic;
-    * the indicator ``1[q < p]`` is kept as 0/1 floats: mixed bool/float products take a slow
-      path;
-    * on a CPU the passes of a phase run over blocks of about :data:`BLOCK_ELEMENTS` values
-      (and at most an eighth of the operand's rows), so the second and later passes over a block
-      find it in cache instead of streaming the chunk again. On CUDA (where the Triton kernels
-      are the default, and this path runs with ``mtp_tv_kernels='torch'`` or bf16/fp16 logits)
-      each pass is one kernel over the whole operand: cache blocking there would only multiply
-      the launches (about 6 rows per block at a 152k vocabulary).
-    """
+    """Torch passes over row blocks, probabilities in place of the logits: the CPU path and the
+    test oracle (why it is shaped so: docs/implementation.md, The torch row passes)."""
 
     name = 'torch'
 
-    #: Values per row block: small enough that a block of the 2-4 operands stays in cache,
-    #: large enough that Python dispatch (a few microseconds per op) stays negligible and that
-    #: the sweep opens few parallel regions: every op on a block is one, and each waits for its
-    #: slowest thread, so on a CPU shared with other work (one core busy elsewhere) the step
-    #: slows with their number (``tools/bench_row_ops.py`` times the candidates: on a 2-core
-    #: EPYC 2^19 and 2^20 are the fastest, 2^21 falls out of cache; on a 2-core Xeon
-    #: 2^18-2^21 are equally fast alone, and beside a busy loop on one core 2^20 took 0.82x
-    #: and 0.97x the time of 2^19 in two runs).
+    #: Values per row block on a CPU (measured: docs/benchmarks.md, The row passes).
     BLOCK_ELEMENTS = 1 << 20
 
-    #: An operand with the rows for it is split into at least this many blocks (see ``_blocks``).
     MIN_BLOCKS = 8
 
     def __init__(self):
@@ -138,20 +78,8 @@ class TorchRowOps:
         vocab_start: Optional[int] = None,
         source: Optional[torch.Tensor] = None,
     ):
-        """Overwrite ``z`` with its softmax over the full (possibly sharded) vocabulary.
-
-        Args:
-            z: ``[n, V/tp]`` fp32 logits.
-            group: the group the vocabulary is sharded over.
-            vocab_start: this shard's first vocabulary index; given, the argmax is computed too.
-            source: optional ``[r, V/tp]`` logits of ``z``'s first ``r`` rows, not yet written
-                there (e.g. the main head's logits, which must stay intact): the first pass over
-                those rows reads them from ``source`` and writes ``z``, so no separate copy
-                pass is made. Same dtype as ``z``.
-
-        Returns:
-            ``(probabilities [n, V/tp] (z itself), RowStats)``.
-        """
+        """``(z, RowStats)``, the ``[n, V/tp]`` fp32 logits ``z`` overwritten with their softmax
+        (``vocab_start``: also the argmax; ``source``: ``z``'s first rows, read in place)."""
         single_shard = group_size(group) == 1
         n = z.shape[0]
         from_source = _check_source(z, source)
@@ -159,7 +87,7 @@ class TorchRowOps:
         local_argmax = torch.empty(n, dtype=torch.long, device=z.device) if vocab_start is not None else None
         for rows in self._blocks(z):
             zb, mb, sb = z[rows], local_max[rows], local_logsum[rows]
-            xb = zb  # where the block's logits are read from
+            xb = zb
             if rows.start < from_source:
                 if rows.stop <= from_source:
                     xb = source[rows]
@@ -171,10 +99,7 @@ class TorchRowOps:
                 row_max_argmax(xb, mb, local_argmax[rows])
             torch.sub(xb, mb.unsqueeze(-1), out=zb).exp_()
             torch.sum(zb, dim=-1, out=sb)
-            if single_shard:  # the normaliser is complete: divide while the block is in cache
-                # (not ATen's fused torch.softmax(zb, out=zb): a third fewer passes, but its
-                # lane-wise sum leaves rows summing to 1 +- 7e-6 at V 32k against 2e-6 here,
-                # an error floor on 1 - TV; tests/test_linear_tv.py holds this to 4e-6)
+            if single_shard:  # divide in cache; not torch.softmax (docs/implementation.md)
                 zb.div_(sb.unsqueeze(-1))
         local_logsum.log_()
         if local_argmax is not None:
@@ -190,7 +115,6 @@ class TorchRowOps:
 
     @staticmethod
     def written_grad(q: torch.Tensor) -> torch.Tensor:
-        """The logit gradient ``pair_sums(..., coefficients=...)`` wrote over the draft rows."""
         return q
 
     def pair_sums(
@@ -201,12 +125,8 @@ class TorchRowOps:
         kl: bool = False,
         coefficients: Optional[CoefficientFn] = None,
     ) -> PairSums:
-        """This shard's :class:`PairSums` of draft rows ``q`` against target rows ``p``.
-
-        With ``coefficients`` (only when this shard holds the whole vocabulary, so a row's sums are
-        complete within the pass) the logit gradient is also written into ``q`` in the same pass,
-        while each block is in cache, as :meth:`grad_` would.
-        """
+        """This shard's :class:`PairSums` of draft rows ``q`` against target rows ``p``; with
+        ``coefficients`` (one shard: the sums are complete) also :meth:`grad_`, in the same pass."""
         n = q.shape[0]
         overlap = q.new_empty(n)
         dots = q.new_empty(n) if dot else None
@@ -236,8 +156,7 @@ class TorchRowOps:
         tv_coef: Optional[torch.Tensor],
         kl_coef: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """``tv_coef * q * (dot - 1[q < p]) + kl_coef * (q - p)`` written into ``q``; the
-        indicator is recomputed (one compare, in cache) rather than kept per depth."""
+        """``tv_coef * q * (dot - 1[q < p]) + kl_coef * (q - p)`` written into ``q``."""
         for rows in self._blocks(q):
             self._write_grad(
                 p[rows], q[rows], None, dot[rows] if dot is not None else None,
@@ -247,9 +166,7 @@ class TorchRowOps:
         return q
 
     def label_grad_(self, q: torch.Tensor, label: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy's ``coef * (q - e_y)`` written into the probabilities ``q`` ``[n, V/tp]``;
-        ``label`` ``[n]`` is each row's label as an index into this shard (-1: on another shard,
-        or no valid label: no ``e_y`` term here)."""
+        """``coef * (q - e_y)`` written into ``q``; ``label``: index into this shard, or -1."""
         for rows in self._blocks(q):
             q[rows].mul_(coef[rows].unsqueeze(-1))
         return _subtract_at_labels_(q, label, coef)
@@ -259,9 +176,6 @@ class TorchRowOps:
         return torch.mul(qb, torch.lt(qb, pb, out=self._buffer('below', qb)), out=out)
 
     def _write_grad(self, pb, qb, q_below, dot, tv_coef, kl_coef):
-        """One block of :meth:`grad_`: ``q * (tv*dot + kl) - tv * (q * 1[q < p]) - kl * p``, from
-        ``q_below = q * 1[q < p]`` when the caller has it (made here otherwise). Two passes for
-        the TV term: the indicator product is the one the dot product summed."""
         if tv_coef is not None:
             if q_below is None:
                 q_below = self._q_below(pb, qb, self._buffer('work', qb))
@@ -275,10 +189,7 @@ class TorchRowOps:
     def _blocks(self, z: torch.Tensor):
         if z.device.type != 'cpu':  # one launch per pass; GPU caches do not hold a block anyway
             return [slice(0, z.shape[0])]
-        # At most BLOCK_ELEMENTS values, and at most 1/MIN_BLOCKS of the rows: the
-        # block-sized scratch (up to three blocks in pair_sums) then stays a small part of the
-        # chunk's own logits at any shape, which the peak bound against the CE path needs
-        # when the chunk is small (tests/test_memory_bound.py).
+        # At most 1/MIN_BLOCKS of the rows: small scratch beside a small chunk (memory bound).
         by_values = self.BLOCK_ELEMENTS // max(1, z.shape[-1])
         step = max(1, min(by_values, z.shape[0] // self.MIN_BLOCKS))
         return [slice(start, start + step) for start in range(0, z.shape[0], step)]
@@ -288,7 +199,6 @@ class TorchRowOps:
 
 
 def _check_source(z: torch.Tensor, source: Optional[torch.Tensor]) -> int:
-    """Rows of ``z`` that ``normalise_`` reads from ``source`` (0 without one)."""
     if source is None:
         return 0
     if source.dim() != 2 or source.shape[0] > z.shape[0] or source.shape[1] != z.shape[1]:
@@ -299,7 +209,7 @@ def _check_source(z: torch.Tensor, source: Optional[torch.Tensor]) -> int:
 
 
 class TritonRowOps:
-    """Triton implementation: logits stay logits; probabilities are recomputed per tile."""
+    """Triton passes: the logits stay; probabilities are recomputed per tile."""
 
     name = 'triton'
 
@@ -310,8 +220,7 @@ class TritonRowOps:
         vocab_start: Optional[int] = None,
         source: Optional[torch.Tensor] = None,
     ):
-        """Leaves the logits in place (``source`` copied into ``z``'s first rows: the kernels read
-        one buffer); returns ``((z, lse), RowStats)``."""
+        """``((z, lse), RowStats)``, the logits left in place (``source`` copied in)."""
         if _check_source(z, source):
             z[: source.shape[0]].copy_(source)
         local_max, local_logsum, local_argmax = _triton().row_stats(z, with_argmax=vocab_start is not None)
@@ -342,8 +251,6 @@ class TritonRowOps:
 
     @staticmethod
     def label_grad_(q, label, coef):
-        """:meth:`TorchRowOps.label_grad_` on ``(logits, lse)`` rows: the probabilities are formed
-        in place of the logits first (two elementwise passes; no kernel of its own)."""
         z, lse = q
         z.sub_(lse.unsqueeze(-1)).exp_().mul_(coef.unsqueeze(-1))
         _subtract_at_labels_(z, label, coef)
@@ -351,11 +258,7 @@ class TritonRowOps:
 
 
 def _subtract_at_labels_(g: torch.Tensor, label: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """``g[i, label[i]] -= coef[i]`` for the rows whose label lies in this shard (``label >= 0``).
-
-    Every row adds at one column (its label's, or column 0 with nothing for a label outside the
-    shard), so nothing depends on how many labels the shard holds: no ``nonzero``, no host
-    synchronisation, and one deterministic write per row."""
+    """``g[i, label[i]] -= coef[i]`` where ``label >= 0``: one write per row, no host sync."""
     inside = label >= 0
     column = torch.where(inside, label, torch.zeros_like(label)).unsqueeze(1)
     g.scatter_add_(1, column, torch.where(inside, -coef, torch.zeros_like(coef)).unsqueeze(1).to(g.dtype))
@@ -379,25 +282,14 @@ def triton_unavailable_reason(logits: torch.Tensor) -> Optional[str]:
 
 
 def select_row_ops(logits: torch.Tensor, kernels: RowKernels = 'auto'):
-    """``(ops, reason)``: a fresh row-ops object for ``logits`` and why Triton is not used.
-
-    Args:
-        logits: ``[n, V/tp]`` the chunk's logits.
-        kernels: ``'auto'``: Triton where it can run (CUDA fp32 logits, or ``TRITON_INTERPRET=1``),
-            else torch; ``'torch'``: always torch; ``'triton'``: Triton, or a RuntimeError saying
-            why it cannot run (``mtp_tv_kernels``).
-
-    Raises:
-        ValueError: for ``kernels`` not in :data:`ROW_KERNELS` (the sweep calls
-            :func:`row_ops_for` with the value :class:`~.options.MTPLossOptions` checked).
-    """
+    """``(ops, reason)``: fresh row ops for ``logits``, and why not Triton (RuntimeError for
+    ``'triton'`` where it cannot run, ValueError for an unknown ``kernels``)."""
     if kernels not in ROW_KERNELS:
         raise ValueError(f'kernels={kernels!r}; expected one of {list(ROW_KERNELS)}.')
     return row_ops_for(logits, kernels)
 
 
 def row_ops_for(logits: torch.Tensor, kernels: RowKernels):
-    """:func:`select_row_ops` for a ``kernels`` known to be one of :data:`ROW_KERNELS`."""
     if kernels == 'torch':
         return TorchRowOps(), "mtp_tv_kernels='torch'"
     reason = triton_unavailable_reason(logits)

@@ -1,10 +1,4 @@
-"""The buffer pool of the loss sweep: named buffers reused from one chunk to the next.
-
-A module of its own because two modules use it and neither should own it: :mod:`.linear_tv`
-keeps each chunk's inputs and ``[m, V/tp]`` logits in one (the sweep's largest allocations,
-taken twice per chunk), and :class:`.row_ops.TorchRowOps` its per-block temporaries; ``row_ops``
-sits below ``linear_tv`` in the import order, so the class cannot live in ``linear_tv``.
-"""
+"""Named buffers the loss sweep reuses from one chunk to the next."""
 
 from typing import Dict
 
@@ -12,13 +6,10 @@ import torch
 
 
 class Scratch:
-    """Named buffers reused from one chunk to the next; each only ever grows."""
-
     def __init__(self):
         self._buffers: Dict[str, torch.Tensor] = {}
 
     def take(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """An uninitialised ``shape`` view of buffer ``name``."""
         numel = 1
         for size in shape:
             numel *= size

@@ -1,23 +1,4 @@
-"""The chunked sweep: one pass over the tokens that every draft loss of this package runs.
-
-Per chunk of positions (see :mod:`.linear_tv` for the math, the memory and the collectives):
-
-1. a **target source** writes the fp32 logits of the chunk's target rows ``t+1 .. t+chunk+G-1``
-   (shared by every depth) and of every depth's draft rows into one ``[m, V/tp]`` buffer:
-   :class:`OwnProjection` projects the target's hidden states with the draft rows,
-   :class:`MainLogits` reads the main head's logits and projects the draft rows alone,
-   :class:`NoTarget` (cross-entropy against the labels, without metrics) has no target rows;
-2. the row ops (:mod:`.row_ops`) normalise every row (collective 1) and reduce each depth's
-   draft rows against their target rows to the per-row sums the loss asks for, and the label's
-   logit where the loss or the metrics read it (collective 2);
-3. the loss (:class:`~.losses.DraftLoss`) turns the sums into the chunk's objective and its
-   logit-gradient coefficients; the row ops write the logit gradient over the draft rows;
-4. a **gradient sink** takes it: :class:`DenseGradients` turns it into the fp32 hidden-state and
-   weight gradients, :class:`StoredLogitGradients` keeps it for backward; without gradients
-   (evaluation, metrics) there is no sink and no gradient work.
-
-The loop has no per-loss, per-source or per-sink branch. No Megatron imports.
-"""
+"""The chunked sweep every draft loss runs: target source, row passes, loss, gradient sink."""
 
 from dataclasses import dataclass
 from typing import Callable, List, NamedTuple, Optional, Sequence
@@ -34,13 +15,9 @@ from .vocab_parallel import ProcessGroup, all_reduce_sum_, group_size, vocab_ran
 
 @dataclass(frozen=True)
 class TargetSegment:
-    """A run of local sequence positions whose targets are contiguous.
-
-    Positions ``start .. stop-1`` (dim 0 of ``[s, b, h]``) take their depth-k target from row
-    ``t + k + 1`` of the virtual sequence ``target_hidden[start:stop] ++ halo``. ``halo`` holds the
-    ``G`` rows that follow ``stop`` in the global sequence (another context-parallel rank's rows)
-    or is None, meaning zeros: those targets fall outside the sequence and carry zero weight.
-    """
+    """Positions ``start .. stop-1`` whose depth-k target is row ``t + k + 1`` of
+    ``target_hidden[start:stop] ++ halo``: ``halo`` the ``G`` rows after ``stop`` (another CP
+    rank's), or None for zeros (targets past the sequence, of zero weight)."""
 
     start: int
     stop: int
@@ -49,32 +26,22 @@ class TargetSegment:
 
 @dataclass(frozen=True)
 class SweepPlan:
-    """One call's sweep, fixed for all its chunks: the caller's options, its non-differentiable
-    inputs and what :func:`~.linear_tv.linear_tv_loss` derived from their shapes."""
-
     options: MTPLossOptions
-    """The loss, temperature, row kernels and metrics (validated when built)."""
     positions_per_chunk: int
-    """Sequence positions per chunk (from ``options.chunk_size`` or the automatic chunk)."""
     tp_group: ProcessGroup
     logits_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]
     segments: tuple
     labels: Optional[torch.Tensor]
-    """``[G, s, b]`` token ids: the greedy-accuracy counts' and a label loss's, or None."""
     target_is_logits: bool = False
-    """The target is the main head's ``[s, b, V/tp]`` logits (else ``[s, b, h]`` hidden states,
-    or None: no target rows)."""
 
 
 class SweepOutput(NamedTuple):
     loss: torch.Tensor
     alpha: Optional[torch.Tensor]
-    """None without target rows."""
     correct: torch.Tensor
     per_depth: torch.Tensor
     agreement: torch.Tensor
-    grad_scale: torch.Tensor
-    """Factor the sink's gradients carry (a power of two for bf16/fp16 weights, else 1)."""
+    grad_scale: torch.Tensor  # the factor the sink's gradients carry
 
 
 class Chunk(NamedTuple):
@@ -93,7 +60,6 @@ class Chunk(NamedTuple):
 
     @property
     def tokens(self) -> int:
-        """Draft rows per depth."""
         return (self.stop - self.start) * self.b
 
     @property
@@ -102,11 +68,10 @@ class Chunk(NamedTuple):
         return (self.stop - self.start + self.depths - 1) * self.b if self.with_target else 0
 
     def draft_rows(self, k: int) -> slice:
-        """Depth k's draft rows in the chunk's logits buffer (after the target rows)."""
         return slice(self.target_rows + k * self.tokens, self.target_rows + (k + 1) * self.tokens)
 
     def target_of(self, k: int) -> slice:
-        """The target rows depth k is compared with: position t against target row t+k+1."""
+        """Depth k's target rows: position t against target row t+k+1."""
         return slice(k * self.b, k * self.b + self.tokens)
 
 
@@ -118,12 +83,8 @@ def chunks(segments: Sequence[TargetSegment], positions_per_chunk: int, b: int, 
             yield Chunk(seg, start, min(start + positions_per_chunk, seg.stop), b, depths, with_target)
 
 
-# ------------------------------------------------------------------------------------------------
-# Target sources: the chunk's logits, target rows first.
-# ------------------------------------------------------------------------------------------------
 class OwnProjection:
-    """Target rows projected from the main hidden states together with the draft rows: one
-    ``[target + G * tokens, h] x [h, V/tp]`` product per chunk."""
+    """Target source: target rows projected with the draft rows, one product per chunk."""
 
     has_target = True
 
@@ -132,7 +93,7 @@ class OwnProjection:
 
     def logits(self, chunk: Chunk, drafts: List[torch.Tensor], products: Products,
                scratch: Scratch, out: torch.Tensor):
-        """Write the chunk's logits into ``out``; return ``(draft inputs, None)``."""
+        """Writes the chunk's logits into ``out``; returns ``(draft inputs, in-place rows)``."""
         n_t = chunk.target_rows
         target_rows = _virtual_rows(self.hidden, chunk.segment, chunk.start + 1, chunk.stop + chunk.depths)
         rows = torch.cat(
@@ -144,12 +105,7 @@ class OwnProjection:
 
 
 class MainLogits:
-    """Target rows read from the main head's ``[s, b, V/tp]`` logits; the draft rows projected
-    alone (and the context-parallel halo rows, which live on another rank).
-
-    ``read_in_place``: the row ops' softmax reads the target rows where they are instead of a
-    copy in the chunk buffer (fp32 logits used as they are: no logit function, ``T = 1``).
-    """
+    """Target source: target rows read from the main head's ``[s, b, V/tp]`` logits."""
 
     has_target = True
 
@@ -159,8 +115,6 @@ class MainLogits:
 
     def logits(self, chunk: Chunk, drafts: List[torch.Tensor], products: Products,
                scratch: Scratch, out: torch.Tensor):
-        """Write the chunk's logits into ``out``; return ``(draft inputs, target rows the softmax
-        reads in place of ``out``'s first rows, or None)``."""
         n_t = chunk.target_rows
         inputs = torch.cat(
             drafts,
@@ -175,13 +129,12 @@ class MainLogits:
 
 
 class NoTarget:
-    """No target rows: the draft rows projected alone (a loss against the data labels)."""
+    """Target source without target rows (a loss against the labels)."""
 
     has_target = False
 
     def logits(self, chunk: Chunk, drafts: List[torch.Tensor], products: Products,
                scratch: Scratch, out: torch.Tensor):
-        """Write the chunk's draft logits into ``out``; return ``(draft inputs, None)``."""
         inputs = torch.cat(
             drafts, out=scratch.take('inputs', (out.shape[0], drafts[0].shape[1]), products.weight.dtype, out.device),
         )
@@ -190,7 +143,6 @@ class NoTarget:
 
 
 def target_source(target: Optional[torch.Tensor], plan: SweepPlan):
-    """The :class:`OwnProjection`, :class:`MainLogits` or :class:`NoTarget` of ``target``."""
     if target is None:
         return NoTarget()
     if not plan.target_is_logits:
@@ -202,12 +154,8 @@ def target_source(target: Optional[torch.Tensor], plan: SweepPlan):
     return MainLogits(target, read_in_place)
 
 
-# ------------------------------------------------------------------------------------------------
-# Gradient sinks: what becomes of each chunk's logit gradient.
-# ------------------------------------------------------------------------------------------------
 class DenseGradients:
-    """The fp32 hidden-state gradient ``[G, s, b, h]`` and weight gradient ``[V/tp, h]``, formed
-    chunk by chunk (the weight gradient accumulates every token of the batch in fp32)."""
+    """Gradient sink: fp32 ``[G, s, b, h]`` and ``[V/tp, h]`` gradients, formed chunk by chunk."""
 
     def __init__(self, draft_hidden: torch.Tensor, weight: torch.Tensor, segments, draft_grad: bool,
                  weight_grad: bool):
@@ -222,11 +170,8 @@ class DenseGradients:
 
     def add(self, chunk: Chunk, g: torch.Tensor, inputs: torch.Tensor, products: Products,
             scratch: Scratch) -> None:
-        """``g``: ``[G * tokens, V/tp]`` fp32 logit gradients of the chunk; ``inputs`` the draft rows."""
         n, G = chunk.tokens, chunk.depths
-        # fp32 weights: all depths in one product each, so the [V/tp, h] weight gradient is read
-        # and written once per chunk, not G times. Other dtypes go depth by depth: all depths at
-        # once would need a [G*n, V/tp] copy in the weight's dtype.
+        # fp32: all depths in one product; others depth by depth (no [G*n, V/tp] cast copy).
         blocks = [slice(0, G)] if products.native else [slice(k, k + 1) for k in range(G)]
         for depths in blocks:
             rows = slice(depths.start * n, depths.stop * n)
@@ -243,7 +188,7 @@ class DenseGradients:
 
 
 class StoredLogitGradients:
-    """The ``[G, s, b, V/tp]`` logit gradients in the weight's dtype, for backward's two products."""
+    """Gradient sink: ``[G, s, b, V/tp]`` logit gradients in the weight's dtype."""
 
     def __init__(self, draft_hidden: torch.Tensor, weight: torch.Tensor, segments):
         G, s, b, _ = draft_hidden.shape
@@ -252,38 +197,25 @@ class StoredLogitGradients:
         )
 
     def add(self, chunk: Chunk, g, inputs, products, scratch) -> None:
-        # rounded to the weight's dtype as it is stored
         self.logit_grads[:, chunk.positions].copy_(g.reshape(chunk.depths, chunk.stop - chunk.start, chunk.b, -1))
 
     def finish(self) -> None:
         pass
 
 
-# ------------------------------------------------------------------------------------------------
-# The sweep
-# ------------------------------------------------------------------------------------------------
 def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=None) -> SweepOutput:
-    """One pass over all chunks: the loss and per-row results, and each chunk's logit gradient
-    handed to ``sink`` (:class:`DenseGradients` or :class:`StoredLogitGradients`; None: no
-    gradient work).
-
-    ``target`` is ``[s, b, h]`` hidden states, ``[s, b, V/tp]`` logits when
-    ``plan.target_is_logits``, or None (no target rows: a loss against the labels, no
-    overlaps); ``token_weights`` ``[G, s, b]`` (``[s, b]`` for a per-chain loss).
-    """
+    """One pass over all chunks, each chunk's logit gradient handed to ``sink`` (if any)."""
     G, s, b, h = draft_hidden.shape
     options, device = plan.options, draft_hidden.device
     loss_fn, inv_temperature = options.loss, options.inv_temperature
     source = target_source(target, plan)
     out = _Results(G, s, b, device, source.has_target)
     products, scratch, ops = Products(weight), Scratch(), None
-    # dL/dz of every row is at most grad_bound * its weight / T (each loss states grad_bound);
-    # the sink's gradients carry grad_scale.
+    # |dL/dz| <= grad_bound * w / T per row; the sink's gradients carry grad_scale.
     grad_scale = products.gradient_scale(token_weights, loss_fn.grad_bound * inv_temperature)
     coef_scale = grad_scale * inv_temperature
     vocab = vocab_range(weight.shape[0], plan.tp_group)
-    # Row-local losses on one shard know each row's coefficients as soon as its sums are done,
-    # so the gradient is written in the same pass.
+    # One shard, row-local loss: a row's coefficients are known in its sums' pass.
     one_pass_grad = sink is not None and loss_fn.row_local and group_size(plan.tp_group) == 1
     want_dot = sink is not None and loss_fn.tv_grad
 
@@ -321,7 +253,6 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
                 draft = chunk.draft_rows(k)
                 ops.label_grad_(ops.rows(probs, draft.start, draft.stop), label_logits.local_index[k],
                                 terms.label_coef[k] * coef_scale)
-        # Every depth's logit gradient now lies over its draft rows: one [G*n, V/tp] block.
         g = ops.written_grad(ops.rows(probs, chunk.target_rows, chunk.target_rows + G * n))
         if plan.logits_fn is not None:
             _chain_rule_(g, raw, chunk, plan.logits_fn)
@@ -332,8 +263,6 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
 
 
 def _write_grad(ops, pairs, terms, dot, coef_scale) -> None:
-    """Each depth's TV and KL logit gradient over its draft rows, once its sums are reduced over
-    the vocabulary (the coefficients need the whole row)."""
     if terms.tv_coef is None and terms.kl_coef is None:
         return
     for k, (p, q) in enumerate(pairs):
@@ -343,19 +272,14 @@ def _write_grad(ops, pairs, terms, dot, coef_scale) -> None:
 
 
 class _RowSums(NamedTuple):
-    """A chunk's per-row sums over the full vocabulary, ``[G, tokens]`` each."""
-
     alpha: Optional[torch.Tensor]
     dot: Optional[torch.Tensor]
     kl: Optional[torch.Tensor]
     hits: Optional[torch.Tensor]
     nll: Optional[torch.Tensor]
-    """``log sum_v exp(z_v) - z_y``, when labels are given."""
 
 
 class _Results:
-    """The sweep's per-row outputs, ``[G, s, b]``, and its loss, filled chunk by chunk."""
-
     def __init__(self, G, s, b, device, with_alpha: bool):
         self.alpha = torch.zeros(G, s, b, dtype=torch.float32, device=device) if with_alpha else None
         self.per_depth = torch.zeros(G, s, b, dtype=torch.float32, device=device)
@@ -389,8 +313,7 @@ def _reduce(sums, label_logits, stats, chunk: Chunk, want_dot: bool, want_kl: bo
         if want_kl:
             columns.append(torch.stack([x.kl for x in sums]))
     if label_logits is not None:
-        # The label's logit lies on exactly one shard (0 elsewhere); it is the row's max there
-        # iff the label is the greedy draft.
+        # The label's logit (0 off its shard) is the row's max iff it is the greedy draft.
         columns.append(torch.stack([
             ((label_logits.value[k] >= stats.max[chunk.draft_rows(k)]) & (label_logits.local_index[k] >= 0)).float()
             for k in range(chunk.depths)
@@ -409,14 +332,12 @@ def _reduce(sums, label_logits, stats, chunk: Chunk, want_dot: bool, want_kl: bo
 
 
 def _row_coefficients(loss_fn: DraftLoss, w: torch.Tensor, scale: torch.Tensor):
-    """The one-pass gradient's ``(rows, overlap) -> (tv_coef, kl_coef)`` of one depth."""
     def coefficients(block, overlap):
         return tuple(c * scale if c is not None else None for c in loss_fn.row_coefficients(overlap, w[block]))
     return coefficients
 
 
 def _scaled_logits(raw: torch.Tensor, plan: SweepPlan) -> torch.Tensor:
-    """``f(raw) / T``: in place of ``raw`` without a logit function, else in a new tensor."""
     z = plan.logits_fn(raw).float() if plan.logits_fn is not None else raw
     inv_temperature = plan.options.inv_temperature
     if inv_temperature != 1.0:
@@ -425,8 +346,7 @@ def _scaled_logits(raw: torch.Tensor, plan: SweepPlan) -> torch.Tensor:
 
 
 def _chain_rule_(g: torch.Tensor, raw: torch.Tensor, chunk: Chunk, logits_fn) -> None:
-    """``g`` (w.r.t. ``f(raw)``) becomes the gradient w.r.t. ``raw``, depth by depth, written
-    back over itself: its temporaries stay ``[tokens, V/tp]``."""
+    """``g`` w.r.t. ``f(raw)`` becomes the gradient w.r.t. ``raw``, in place, depth by depth."""
     n = chunk.tokens
     for k in range(chunk.depths):
         with torch.enable_grad():
@@ -436,9 +356,6 @@ def _chain_rule_(g: torch.Tensor, raw: torch.Tensor, chunk: Chunk, logits_fn) ->
 
 
 def _input_grad_into(products, g: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> None:
-    """``out = g @ W`` for ``out`` ``[depths, positions, b, h]`` (rows of the ``[G, s, b, h]``
-    gradient): straight into it for one depth, whose rows are contiguous; through a scratch
-    ``[rows, h]`` buffer for several."""
     if out.shape[0] == 1:
         products.input_grad(g, out.view(g.shape[0], -1))
         return
@@ -448,8 +365,6 @@ def _input_grad_into(products, g: torch.Tensor, out: torch.Tensor, scratch: Scra
 
 
 def _new_rows_buffer(shape, dtype, device, segments, s) -> torch.Tensor:
-    """A ``[G, s, ...]`` buffer every chunk writes its rows of: uninitialised when the segments
-    cover ``[0, s)`` (every row is written), else zero-filled (rows no chunk visits stay 0)."""
     bounds = sorted((seg.start, seg.stop) for seg in segments)
     covered = 0
     for start, stop in bounds:
@@ -476,15 +391,7 @@ def _virtual_rows(target_hidden, seg: TargetSegment, first: int, stop: int) -> t
 
 def _target_logit_rows(target_logits, seg: TargetSegment, first: int, stop: int, products, out,
                        defer_body: bool = False) -> Optional[torch.Tensor]:
-    """``out`` = the logits of rows ``[first, stop)`` of :func:`_virtual_rows`, read from the
-    target's logits: copied (the row ops overwrite ``out`` in place, the main logits must stay
-    intact); only the halo rows, hidden states from another rank, are projected, then rounded to
-    the logits' dtype like the rows around them. Rows past the sequence without a halo are zeros
-    (their targets carry zero weight).
-
-    With ``defer_body`` the rows inside the sequence are not copied: they are returned,
-    ``[r, V/tp]``, for the row ops' softmax to read as ``out``'s first ``r`` rows
-    (``normalise_(..., source=)``); None otherwise."""
+    """Logits of :func:`_virtual_rows` into ``out`` (``defer_body``: the body rows returned)."""
     body_stop = min(stop, seg.stop)
     n_body = max(0, body_stop - first) * target_logits.shape[1]
     body = None
@@ -508,18 +415,12 @@ def _target_logit_rows(target_logits, seg: TargetSegment, first: int, stop: int,
 
 
 class _LabelLogits(NamedTuple):
-    """Each depth's draft logit at its label, on this shard: ``[G, tokens]`` each."""
-
     value: torch.Tensor
-    """The logit where the label lies in this shard, else 0 (summed over shards: the logit)."""
     local_index: torch.Tensor
-    """int64 index of the label into this shard, -1 where it lies elsewhere (or is no token)."""
 
 
 def _label_logits(z: torch.Tensor, chunk: Chunk, labels: torch.Tensor, vocab) -> _LabelLogits:
-    """Read before the row ops overwrite ``z``: a label outside ``[0, V)`` (padding, an ignore
-    index) lies on no shard, and its logit counts as 0, as in Megatron's vocab-parallel
-    cross-entropy."""
+    """Read before the row ops overwrite ``z``; a label outside ``[0, V)`` counts as logit 0."""
     start, stop = vocab
     chunk_labels = labels[:, chunk.positions].reshape(chunk.depths, chunk.tokens)
     in_shard = (chunk_labels >= start) & (chunk_labels < stop)

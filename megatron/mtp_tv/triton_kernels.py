@@ -1,10 +1,4 @@
-"""Triton kernels for the per-row passes of the draft losses (see :mod:`.row_ops`).
-
-One program per row, looping over vocabulary tiles; fp32 throughout. The logits are kept as
-logits (already divided by the temperature) and probabilities are recomputed per tile from the
-row's log-normaliser, so ``KL(p || q) = sum_v p (z_p - lse_p - z_q + lse_q)`` is exact here.
-Imported only when the Triton path is selected (CUDA, or ``TRITON_INTERPRET=1`` on CPU for tests).
-"""
+"""Triton kernels of :mod:`.row_ops`: one program per row over vocabulary tiles, in fp32."""
 
 from typing import Optional
 
@@ -19,8 +13,7 @@ def _block(vocab: int) -> int:
 
 @triton.jit
 def _row_stats_kernel(z_ptr, stride, out_ptr, V, BLOCK: tl.constexpr):
-    # Online max and normaliser (s is kept relative to the running max m), and the first index
-    # of the max: a later tile replaces it only with a strictly larger value.
+    # Online max and normaliser; a later tile takes the argmax only with a strictly larger max.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = tl.full((), float('-inf'), tl.float32)
@@ -68,8 +61,7 @@ def _pair_sums_kernel(zt_ptr, st, lse_t_ptr, zq_ptr, sq, lse_q_ptr, out_ptr, V, 
 def _grad_kernel(
     zt_ptr, st, lse_t_ptr, zq_ptr, sq, lse_q_ptr, dot_ptr, tv_ptr, kl_ptr, V, BLOCK: tl.constexpr
 ):
-    # tv * q * (dot - 1[q < p]) + kl * (q - p) written over the draft logits (strict <: ties
-    # pass no TV gradient).
+    # tv * q * (dot - 1[q < p]) + kl * (q - p) over the draft logits; a tie passes no TV gradient.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     lse_t = tl.load(lse_t_ptr + row)
