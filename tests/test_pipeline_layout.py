@@ -193,21 +193,28 @@ def _reference_name(model, name, tie):
 @contextlib.contextmanager
 def _loss_inputs_seen():
     """While open, the shape of every ``hidden_states`` that ``GPTModel._postprocess`` hands
-    to ``process_mtp_loss`` (the plugin's dispatcher, which it calls by that name), and
-    whether it carries a gradient."""
+    to the MTP loss, and whether it carries a gradient: to ``process_mtp_loss`` (the plugin's
+    dispatcher, which it calls by that name), or in a patched tree, where the loss runs on the
+    main logits, to ``split_mtp_hidden_states``."""
     from megatron.core.models.gpt import gpt_model
 
-    seen, original = [], gpt_model.process_mtp_loss
+    seen, saved = [], {}
 
-    def spy(hidden_states, *args, **kwargs):
-        seen.append((tuple(hidden_states.shape), hidden_states.requires_grad))
-        return original(hidden_states, *args, **kwargs)
+    def spy(original):
+        def wrapped(hidden_states, *args, **kwargs):
+            seen.append((tuple(hidden_states.shape), hidden_states.requires_grad))
+            return original(hidden_states, *args, **kwargs)
+        return wrapped
 
-    gpt_model.process_mtp_loss = spy
+    for name in ('process_mtp_loss', 'split_mtp_hidden_states'):
+        if name in gpt_model.__dict__:  # the split: patch mode only
+            saved[name] = gpt_model.__dict__[name]
+            setattr(gpt_model, name, spy(saved[name]))
     try:
         yield seen
     finally:
-        gpt_model.process_mtp_loss = original
+        for name, original in saved.items():
+            setattr(gpt_model, name, original)
 
 
 def _init_pipeline(pp, tie, mtp_stage):

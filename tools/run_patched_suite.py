@@ -45,6 +45,7 @@ PATCH_MODE_TESTS = (
     'tests/test_hybrid_model.py',
     'tests/test_parallel.py',
     'tests/test_tp_cp.py',
+    'tests/test_pipeline_layout.py',
     'tests/test_chunked_ce.py',
     'tests/test_args_forwarding.py',
     'tests/test_args_guard.py',
