@@ -141,17 +141,22 @@ def _loss_worker(rank, loss_type, depth, s, seq_lengths, pad, temperature=1.0):
 def _both_target_sources(process_mtp_loss, local_hidden, weight, loss_type, depth, cp,
                          temperature=1.0, **inputs):
     """``process_mtp_loss`` on this rank's rows projecting its own target, then with the target
-    from the main logits: ``[(hidden grad, weight grad, logged per-depth loss)] * 2``.
-    ``inputs``: labels, loss mask and layout arguments."""
+    from the main logits: ``[(hidden grad, weight grad, logged per-depth loss)] * 2``; under
+    tensor parallelism the output layer and the main logits are this rank's vocabulary shard
+    (the weight gradient too). ``inputs``: labels, loss mask and layout arguments."""
+    from megatron.core import parallel_state
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer import multi_token_prediction as mtp
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    weight = weight.chunk(tp_group.size())[tp_group.rank()]
     local_hidden = local_hidden.clone().requires_grad_()
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, mtp_num_layers=depth,
         mtp_loss_type=loss_type, mtp_tv_chunk=3, mtp_loss_scaling_factor=FACTOR,
         use_cpu_initialization=True, context_parallel_size=cp, mtp_tv_temperature=temperature,
+        tensor_model_parallel_size=tp_group.size(),
     )
     layer = ColumnParallelLinear(
         HIDDEN, VOCAB, config=config, init_method=torch.nn.init.zeros_, bias=False,

@@ -69,10 +69,10 @@ def _tp_cp_worker(rank, loss_type, depth, s, seq_lengths, pad, main_logits_layou
     return index, tp_rank, tp, runs
 
 
-def _check(results, loss_type, depth, s, seq_bounds):
+def _check(results, loss_type, depth, s, seq_bounds, temperature=1.0):
     for index, tp_rank, tp, runs in results:
         ref_grad, ref_weight_grad, ref_logged = _reference_for_rank(
-            loss_type, depth, s, index, seq_bounds)
+            loss_type, depth, s, index, seq_bounds, temperature)
         ref_shard = ref_weight_grad.chunk(tp)[tp_rank]
         for source, (grad, weight_grad, logged) in runs.items():
             msg = f'{source}, TP rank {tp_rank}'
@@ -97,3 +97,25 @@ def test_tp2_cp2_zigzag_matches_full_sequence(loss_type, packed):
         for n in lengths:
             bounds.append(bounds[-1] + n)
     _check(results, loss_type, depth, s, bounds)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('loss_type', ['tv', 'e2e_tv', 'lk'])
+def test_tp2_cp2_contiguous_packed_matches_full_sequence(loss_type):
+    """NVIDIA dev's contiguous layout (``cp_partition_mode='contiguous'``, through the dev
+    ``process_mtp_loss`` with its sequence roll context, ``mtp_tv_dev.contiguous``) with TP=2:
+    each rank's shard of the packed row and its vocabulary shard, both target sources."""
+    from tests.test_parallel import (CONTIGUOUS_LENGTHS, _bounds, _contiguous_worker,
+                                     _expected_rolls)
+
+    depth, lengths = (3 if loss_type == 'e2e_tv' else 2), CONTIGUOUS_LENGTHS[0]
+    temperature = 0.7 if loss_type == 'lk' else 1.0
+    out = spawn(_contiguous_worker, 4, loss_type, depth, lengths, False, True, temperature,
+                tp=2, cp=2)
+    results = []
+    for rank, ((index, grad, weight_grad, logged, from_main_logits), rolls, _) in enumerate(out):
+        assert rolls == _expected_rolls(depth, False)
+        runs = {'projection': (grad, weight_grad, logged), 'main_logits': from_main_logits}
+        results.append((index, rank % 2, 2, runs))  # Megatron's rank order: TP innermost
+    _check(results, loss_type, depth, sum(lengths), _bounds(lengths), temperature)
+
