@@ -18,7 +18,7 @@ from .alignment import CP_LAYOUTS, target_segments
 from .config import runs_megatron_ce, validate_mtp_loss_config
 from .linear_tv import linear_tv_loss
 from .metrics import save_acceptance_to_tracker
-from .options import MTPLossOptions, draft_objective
+from .options import MTPLossOptions
 from .sweep import TargetSegment
 from .vocab_parallel import group_size, vocab_range
 
@@ -154,9 +154,7 @@ def mtp_loss_follows_main_logits(model, output_processor=None) -> bool:
     if getattr(model, 'output_layer', None) is None or not getattr(model, 'post_process', False):
         return False
     validate_mtp_loss_config(config)  # a field assigned after construction: construction's error
-    return draft_objective(config, metrics_only=False).needs_target or (
-        model.training and getattr(config, 'mtp_log_acceptance', False)
-    )
+    return MTPLossOptions.from_config(config, metrics=model.training).with_target
 
 
 class _AttachMTPLoss(torch.autograd.Function):
