@@ -172,7 +172,8 @@ def test_smoke_preset_runs_every_scenario_and_resumes(tmp_path):
 
     preset = X.PRESETS['smoke']
     parts = {p.stem: json.loads(p.read_text()) for p in (out / 'parts').glob('*.json')}
-    losses = X.depth_one_losses()
+    losses = preset.loss_names()
+    assert {p.split('_')[1] for p in parts if p.startswith('cold_') and p != 'cold_init'} == set(losses)
     last = preset.cold_steps
     for loss in losses:
         grid = {r['lr'] for n, r in parts.items()

@@ -94,6 +94,11 @@ class Preset:
     spec_rounds: int = 12
     continuation_prompts: int = 62
     threads: int = 2
+    losses: Optional[Tuple[str, ...]] = None
+    """The losses every scenario runs (None: :func:`depth_one_losses`)."""
+
+    def loss_names(self) -> List[str]:
+        return list(self.losses) if self.losses is not None else depth_one_losses()
 
     def common(self) -> Dict:
         """The settings every part of a run shares (data, protocol, evaluation): a part stored
@@ -123,10 +128,12 @@ PRESETS: Dict[str, Preset] = {
                       tf_windows=24, spec_prompts=32, continuation_prompts=8),
     # The code paths of the long preset at toy sizes (tests/test_smollm2.py), on one thread: the
     # test runs beside another pytest-xdist worker, where two threads wait on each other in
-    # OpenMP's barriers (on 2 cores: 120-210 s, against 80 s on one thread).
+    # OpenMP's barriers. Three losses: the baseline, a loss against the main model and the
+    # cold-start one (its rate grid grows upwards where the others' grows downwards); every
+    # scenario's code is the same for each loss, and the losses are tested on their own.
     'smoke': Preset(name='smoke', scenarios=('cold', 'drift', 'joint'), seeds=(0,), block=33,
-                    stdlib_chars=40_000, warmup=1, lr_grid=(1e-3, 3e-3), lr_extensions=1,
-                    cold_steps=8, eval_every=2, curve_windows=2, checkpoint_every=2,
+                    losses=('ce', 'tv', 'nla'), stdlib_chars=25_000, warmup=1, lr_grid=(1e-3, 3e-3), lr_extensions=1,
+                    cold_steps=4, eval_every=2, curve_windows=2, checkpoint_every=2,
                     heal_lr_grid=(1e-3,), heal_steps=2, heal_eval_every=1, sharpen_prompt=8,
                     sharpen_windows=4, sharpen_lr=1e-3, sharpen_check_every=1,
                     sharpen_max_steps=2, drift_target=1.0, joint_seeds=(0,), context=8,
@@ -625,7 +632,7 @@ class Experiment:
         """Every loss in turn: its grid on the first seed, then its best rate on every seed,
         each seed's heads scored on the test split. Returns each loss's rate."""
         lrs = {}
-        for loss in depth_one_losses():
+        for loss in self.preset.loss_names():
             lrs[loss] = self.best_lr(scenario, loss, steps, grid)
             for seed in self.preset.seeds:
                 arm = HeadsArm(scenario, loss, lrs[loss], seed, steps)
@@ -788,7 +795,7 @@ class Experiment:
         p = self.preset
         if 'moved' not in self.backbones:
             self.moved_backbone()
-        for loss in depth_one_losses():
+        for loss in p.loss_names():
             for seed in p.joint_seeds:
                 name = f'joint_{loss}_s{seed}'
 
