@@ -17,11 +17,12 @@ from typing import List
 import torch
 
 from .cases import loss_mode, loss_package, tv_target_source
+from .packed import run_packed
 from .report import apply_targets, attach_round_ratios, product_floors, render
 from .runs import cpu_count, run_ce, run_loss, run_mtp, run_step, run_tp, run_wide
 
 #: The row groups ``--cases`` selects from (see :mod:`lossbench`).
-GROUPS = ('loss', 'mtp', 'tp', 'step', 'wide', 'ce')
+GROUPS = ('loss', 'mtp', 'tp', 'step', 'wide', 'ce', 'packed')
 
 
 def parse_args(argv=None):
@@ -62,6 +63,10 @@ def parse_args(argv=None):
     p.add_argument('--ce-shapes', type=shapes, default=None,
                    help="'ce' rows: HIDDENxVOCABxTOKENS shapes, comma-separated (default "
                         "1024x32768x4096,4096x16384x1024,7168x16384x512)")
+    p.add_argument('--packed-tokens', type=int, default=None,
+                   help="'packed' rows: tokens per micro-batch (default 4096)")
+    p.add_argument('--packed-seqs', type=int, default=None,
+                   help="'packed' rows: sequences packed into it (default 64)")
     p.add_argument('--cases', default='loss,mtp,tp',
                    help=f"subset of {','.join(GROUPS)} (default loss,mtp,tp)")
     p.add_argument('--threads', type=int, default=None,
@@ -79,13 +84,14 @@ def parse_args(argv=None):
                 threads=0,
                 step_seqs=[2048, 4096], step_depths=[1], wide_hidden=[4096, 7168],
                 wide_vocab=16384, wide_seqs=[1024, 2048, 4096], ce_depths=[1, 3],
-                ce_shapes=[(1024, 32768, 4096), (4096, 16384, 1024), (7168, 16384, 512)])
+                ce_shapes=[(1024, 32768, 4096), (4096, 16384, 1024), (7168, 16384, 512)],
+                packed_tokens=4096, packed_seqs=64)
     # One thread: at tiny shapes a second thread only waits for a busy machine's other core
     # at every op (0.6 s instead of 0.02 s per step of the 'step' model on two shared cores).
     quick = dict(seqs=[64, 128], hidden=64, vocab=512, chunk=32, repeats=1, warmup=0, threads=1,
                  step_seqs=[64, 128], step_depths=[1, 2], wide_hidden=[96, 128],
                  wide_vocab=512, wide_seqs=[64, 128], ce_depths=[1, 2],
-                 ce_shapes=[(64, 512, 256), (128, 512, 32)])
+                 ce_shapes=[(64, 512, 256), (128, 512, 32)], packed_tokens=256, packed_seqs=8)
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -164,6 +170,8 @@ def main(argv=None) -> dict:
         for tp in args.tp:
             if tp > 1:
                 rows += run_tp(args, tp, log=log)
+    if 'packed' in args.cases:
+        rows += run_packed(args, log=log)
     attach_round_ratios(rows)
     summaries = apply_targets(rows, args)
     report = {
