@@ -106,6 +106,9 @@ def _worker(rank: int, args_dict: dict) -> List[dict]:
     import torch.distributed as dist
 
     args = argparse.Namespace(**args_dict)
+    # Subnormal logit gradients (a few percent of one rank's, with these random inputs) slow x86
+    # GEMMs 2-4x, not a GPU's: flushed, so that the slowest rank is not the one with them.
+    torch.set_flush_denormal(True)
     cases, leaves = packed_cases(args.packed_tokens, args.packed_seqs, args.hidden, args.vocab,
                                  args.chunk)
 
@@ -167,7 +170,7 @@ def render_packed(rows: List[dict]) -> List[str]:
         f"{r0['tokens']} tokens per micro-batch ({r0['tokens'] // r0['cp']} per CP rank), one "
         "depth, the TV target from the main head's logits; the same tokens as one sequence and as "
         "packed sequences; matrix products and collective calls of one forward+backward on a rank "
-        "(the halo exchange's p2p batch counts once); time of the slowest rank.", "",
+        "(the halo exchange's p2p batch counts once); time of the slowest rank, subnormals flushed.", "",
         "| impl | sequences | products | collectives | time (s) | min-max | ratio vs CE | "
         "target | met? |",
         "|---|---|---|---|---|---|---|---|---|"]
