@@ -27,7 +27,7 @@ import megatron.mtp_tv
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES, CrossEntropy
 from megatron.mtp_tv.options import MTPLossOptions
-from megatron.mtp_tv.sweep import TargetSegment
+from megatron.mtp_tv.alignment import TargetSegment
 from mtp_tv_dev.reference import token_weights
 
 megatron.mtp_tv.install()

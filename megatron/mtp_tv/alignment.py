@@ -1,14 +1,122 @@
-"""Each MTP depth's target rows under context parallelism (docs/context_parallel.md)."""
+"""Where each MTP depth's target rows are: segments of positions under context parallelism and
+packing, and the rows the sweep chunks (docs/context_parallel.md)."""
 
-from typing import List, Optional, Sequence, Tuple
+import bisect
+from dataclasses import dataclass
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .sweep import TargetSegment
 from .vocab_parallel import ProcessGroup, group_rank, group_size
 
 CP_LAYOUTS = ('zigzag', 'contiguous')
+
+
+@dataclass(frozen=True)
+class TargetSegment:
+    """Positions ``start .. stop-1`` whose depth-k target is row ``t + k + 1`` of
+    ``target_hidden[start:stop] ++ halo``: ``halo`` the ``G`` rows after ``stop`` (another CP
+    rank's), or None for zeros (targets past the sequence, of zero weight)."""
+
+    start: int
+    stop: int
+    halo: Optional[torch.Tensor] = None  # [G, b, h]
+
+
+class Run(NamedTuple):
+    """Rows ``lo .. hi-1`` of a chunk: rows ``r ..`` of ``segment``'s ``positions ++ halo``."""
+
+    lo: int
+    hi: int
+    segment: TargetSegment
+    r: int
+
+    @property
+    def position(self) -> Optional[int]:
+        """The first row's position, or None past the segment's positions (halo or no draft)."""
+        return self.segment.start + self.r if self.segment.start + self.r < self.segment.stop else None
+
+    @property
+    def halo_rows(self) -> slice:
+        first = self.r - (self.segment.stop - self.segment.start)
+        return slice(first, first + self.hi - self.lo)
+
+
+class RowLayout:
+    """The rows the sweep chunks: every segment's positions in order, each segment followed by
+    ``G - 1`` rows without a draft (zero weight), so that depth k's target of row u is target
+    row ``u + k + 1`` in every segment. A chunk is a fixed number of rows wherever the segments
+    end: its products and collectives follow the tokens, not the number of packed sequences.
+
+    With one depth and segments that tile the positions in order (no CP, contiguous CP, or zigzag
+    at G = 1), rows are positions (``identity``)."""
+
+    def __init__(self, segments: Sequence[TargetSegment], depths: int, s: int):
+        self.segments, self.gap, self.s = tuple(segments), depths - 1, s
+        self.starts, row, in_order = [], 0, 0
+        for seg in self.segments:
+            self.starts.append(row)
+            row += seg.stop - seg.start + self.gap
+            in_order = seg.stop if seg.start == in_order else -1
+        self.count = max(0, row - self.gap)
+        self.identity = self.gap == 0 and in_order == s
+        reach = 0
+        for start, stop in sorted((seg.start, seg.stop) for seg in self.segments):
+            reach = stop if start == reach else reach
+        self.covers_positions = reach == s
+
+    def runs(self, lo: int, hi: int, targets: bool = False) -> List[Run]:
+        """Rows ``lo .. hi-1`` as :class:`Run` pieces, chunk-local; ``targets``: as target rows
+        (segment j's reach one row further: its last halo row is segment j+1's first row)."""
+        shift = int(targets)
+        runs, row = [], lo
+        j = max(0, bisect.bisect_right(self.starts, lo - shift) - 1)
+        while row < hi:
+            seg, start = self.segments[j], self.starts[j]
+            end = (self.starts[j + 1] + shift) if j + 1 < len(self.starts) else hi
+            r = row - start
+            body = seg.stop - seg.start
+            stop = min(hi, end, start + body) if r < body else min(hi, end)
+            runs.append(Run(row - lo, stop - lo, seg, r))
+            row = stop
+            if row == end:
+                j += 1
+        return runs
+
+    def to_rows(self, x: torch.Tensor, dim: int, fill=0) -> torch.Tensor:
+        """``x`` (positions along ``dim``) in this layout, ``fill`` where a row has no draft."""
+        if self.identity:
+            return x
+        parts = []
+        for run in self.runs(0, self.count):
+            if run.position is not None:
+                parts.append(x.narrow(dim, run.position, run.hi - run.lo))
+            else:
+                shape = list(x.shape)
+                shape[dim] = run.hi - run.lo
+                parts.append(x.new_full(shape, fill))
+        return torch.cat(parts, dim) if parts else x.narrow(dim, 0, 0)
+
+    def to_positions(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Rows of ``x`` along ``dim`` back at their positions (zeros at positions of no row)."""
+        if self.identity:
+            return x
+        shape = list(x.shape)
+        shape[dim] = self.s
+        out = x.new_zeros(shape)
+        self.scatter(out, x, 0, dim)
+        return out
+
+    def scatter(self, out: torch.Tensor, rows: torch.Tensor, lo: int, dim: int = 0) -> None:
+        """``out`` (positions along ``dim``) takes ``rows`` (rows ``lo ..`` along ``dim``)."""
+        n = rows.shape[dim]
+        if self.identity:
+            out.narrow(dim, lo, n).copy_(rows)
+            return
+        for run in self.runs(lo, lo + n):
+            if run.position is not None:
+                out.narrow(dim, run.position, run.hi - run.lo).copy_(rows.narrow(dim, run.lo, run.hi - run.lo))
 
 
 def target_segments(

@@ -4,10 +4,10 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
+from .alignment import RowLayout, TargetSegment
 from .options import MTPLossOptions
 from .products import Products
-from .sweep import (DenseGradients, StoredLogitGradients, SweepOutput, SweepPlan, TargetSegment,
-                    sweep)
+from .sweep import DenseGradients, StoredLogitGradients, SweepOutput, SweepPlan, sweep
 from .vocab_parallel import ProcessGroup
 
 
@@ -88,10 +88,10 @@ def linear_tv_loss(
     )
     plan = SweepPlan(
         options=options,
-        positions_per_chunk=max(1, tokens // b),
+        rows_per_chunk=max(1, tokens // b),
         tp_group=tp_group,
         logits_fn=logits_fn,
-        segments=tuple(segments) if segments is not None else (TargetSegment(0, s),),
+        layout=RowLayout(segments if segments is not None else (TargetSegment(0, s),), G, s),
         labels=labels,
         target_is_logits=target_logits is not None,
     )
@@ -158,7 +158,7 @@ class DenseGradientsMode:
     """Backward mode: fp32 gradients formed in forward, scaled in backward."""
 
     def forward_sink(self, draft_hidden, weight, plan, need_draft, need_weight):
-        return DenseGradients(draft_hidden, weight, plan.segments, need_draft, need_weight)
+        return DenseGradients(draft_hidden, weight, plan.layout, need_draft, need_weight)
 
     def save(self, ctx, out, sink, draft_hidden, weight, target, token_weights):
         ctx.save_for_backward(out.grad_scale, *(g for g in (sink.draft, sink.weight) if g is not None))
@@ -174,7 +174,7 @@ class StoredLogitGradientsMode:
     """Backward mode: logit gradients kept in the weight's dtype, multiplied out in backward."""
 
     def forward_sink(self, draft_hidden, weight, plan, need_draft, need_weight):
-        return StoredLogitGradients(draft_hidden, weight, plan.segments)
+        return StoredLogitGradients(draft_hidden, weight, plan.layout)
 
     def save(self, ctx, out, sink, draft_hidden, weight, target, token_weights):
         ctx.save_for_backward(out.grad_scale, sink.logit_grads, draft_hidden, weight)

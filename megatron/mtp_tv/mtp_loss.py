@@ -14,12 +14,11 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.transformer import multi_token_prediction as _mtp
 
-from .alignment import CP_LAYOUTS, target_segments
+from .alignment import CP_LAYOUTS, TargetSegment, target_segments
 from .config import runs_megatron_ce, validate_mtp_loss_config
 from .linear_tv import linear_tv_loss
 from .metrics import save_acceptance_to_tracker
 from .options import MTPLossOptions
-from .sweep import TargetSegment
 from .vocab_parallel import group_size, vocab_range
 
 

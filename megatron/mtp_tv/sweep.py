@@ -1,10 +1,11 @@
 """The chunked sweep every draft loss runs: target source, row passes, loss, gradient sink."""
 
 from dataclasses import dataclass
-from typing import Callable, List, NamedTuple, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 
+from .alignment import RowLayout
 from .losses import DraftLoss
 from .options import MTPLossOptions
 from .products import Products
@@ -14,24 +15,13 @@ from .vocab_parallel import ProcessGroup, all_reduce_sum_, group_size, vocab_ran
 
 
 @dataclass(frozen=True)
-class TargetSegment:
-    """Positions ``start .. stop-1`` whose depth-k target is row ``t + k + 1`` of
-    ``target_hidden[start:stop] ++ halo``: ``halo`` the ``G`` rows after ``stop`` (another CP
-    rank's), or None for zeros (targets past the sequence, of zero weight)."""
-
-    start: int
-    stop: int
-    halo: Optional[torch.Tensor] = None  # [G, b, h]
-
-
-@dataclass(frozen=True)
 class SweepPlan:
     options: MTPLossOptions
-    positions_per_chunk: int
+    rows_per_chunk: int
     tp_group: ProcessGroup
     logits_fn: Optional[Callable[[torch.Tensor], torch.Tensor]]
-    segments: tuple
-    labels: Optional[torch.Tensor]
+    layout: RowLayout
+    labels: Optional[torch.Tensor]  # [G, s, b]
     target_is_logits: bool = False
 
 
@@ -45,9 +35,9 @@ class SweepOutput(NamedTuple):
 
 
 class Chunk(NamedTuple):
-    """Positions ``start .. stop-1`` of ``segment``, each with ``b`` tokens."""
+    """Rows ``start .. stop-1`` of the layout, each with ``b`` tokens."""
 
-    segment: TargetSegment
+    layout: RowLayout
     start: int
     stop: int
     b: int
@@ -55,7 +45,7 @@ class Chunk(NamedTuple):
     with_target: bool = True
 
     @property
-    def positions(self) -> slice:
+    def span(self) -> slice:
         return slice(self.start, self.stop)
 
     @property
@@ -71,16 +61,28 @@ class Chunk(NamedTuple):
         return slice(self.target_rows + k * self.tokens, self.target_rows + (k + 1) * self.tokens)
 
     def target_of(self, k: int) -> slice:
-        """Depth k's target rows: position t against target row t+k+1."""
+        """Depth k's target rows: row t against target row t+k+1."""
         return slice(k * self.b, k * self.b + self.tokens)
 
+    def drafts(self, hidden: torch.Tensor) -> List[torch.Tensor]:
+        """One depth's ``[s, b, h]`` draft states of these rows, ``[rows * b, h]`` pieces."""
+        return [_positions(hidden, run) for run in self.layout.runs(self.start, self.stop)]
 
-def chunks(segments: Sequence[TargetSegment], positions_per_chunk: int, b: int, depths: int,
-           with_target: bool = True):
-    """The chunks of every segment, in order (every TP rank walks the same ones)."""
-    for seg in segments:
-        for start in range(seg.start, seg.stop, positions_per_chunk):
-            yield Chunk(seg, start, min(start + positions_per_chunk, seg.stop), b, depths, with_target)
+    def target_runs(self):
+        return self.layout.runs(self.start + 1, self.stop + self.depths, targets=True)
+
+
+def _positions(x: torch.Tensor, run) -> torch.Tensor:
+    """``x``'s ``[s, b, ...]`` rows of ``run`` as ``[rows * b, ...]`` (zeros where none)."""
+    n = run.hi - run.lo
+    rows = x[run.position : run.position + n] if run.position is not None else x.new_zeros((n,) + x.shape[1:])
+    return rows.reshape((n * x.shape[1],) + tuple(x.shape[2:]))
+
+
+def chunks(layout: RowLayout, rows_per_chunk: int, b: int, depths: int, with_target: bool = True):
+    """The layout's chunks in order (every TP rank walks the same ones)."""
+    for start in range(0, layout.count, rows_per_chunk):
+        yield Chunk(layout, start, min(start + rows_per_chunk, layout.count), b, depths, with_target)
 
 
 class OwnProjection:
@@ -95,9 +97,8 @@ class OwnProjection:
                scratch: Scratch, out: torch.Tensor):
         """Writes the chunk's logits into ``out``; returns ``(draft inputs, in-place rows)``."""
         n_t = chunk.target_rows
-        target_rows = _virtual_rows(self.hidden, chunk.segment, chunk.start + 1, chunk.stop + chunk.depths)
         rows = torch.cat(
-            [target_rows.reshape(n_t, -1)] + drafts,
+            [_target_hidden_rows(self.hidden, run) for run in chunk.target_runs()] + drafts,
             out=scratch.take('inputs', (out.shape[0], drafts[0].shape[1]), products.weight.dtype, out.device),
         )
         products.logits(rows, out)
@@ -121,10 +122,7 @@ class MainLogits:
             out=scratch.take('inputs', (out.shape[0] - n_t, drafts[0].shape[1]), products.weight.dtype, out.device),
         )
         products.logits(inputs, out[n_t:])
-        source = _target_logit_rows(
-            self.main, chunk.segment, chunk.start + 1, chunk.stop + chunk.depths, products, out[:n_t],
-            self.read_in_place,
-        )
+        source = _target_logit_rows(self.main, chunk, products, scratch, out[:n_t], self.read_in_place)
         return inputs, source
 
 
@@ -157,15 +155,11 @@ def target_source(target: Optional[torch.Tensor], plan: SweepPlan):
 class DenseGradients:
     """Gradient sink: fp32 ``[G, s, b, h]`` and ``[V/tp, h]`` gradients, formed chunk by chunk."""
 
-    def __init__(self, draft_hidden: torch.Tensor, weight: torch.Tensor, segments, draft_grad: bool,
-                 weight_grad: bool):
-        device = draft_hidden.device
-        self.draft = (
-            _new_rows_buffer(draft_hidden.shape, torch.float32, device, segments, draft_hidden.shape[1])
-            if draft_grad else None
-        )
+    def __init__(self, draft_hidden: torch.Tensor, weight: torch.Tensor, layout: RowLayout,
+                 draft_grad: bool, weight_grad: bool):
+        self.draft = _new_rows_buffer(draft_hidden.shape, torch.float32, draft_hidden.device, layout) if draft_grad else None
         # The first product overwrites it: zero-filling [V/tp, h] first would be one more pass.
-        self.weight = torch.empty(weight.shape, dtype=torch.float32, device=device) if weight_grad else None
+        self.weight = torch.empty(weight.shape, dtype=torch.float32, device=draft_hidden.device) if weight_grad else None
         self._weight_started = False
 
     def add(self, chunk: Chunk, g: torch.Tensor, inputs: torch.Tensor, products: Products,
@@ -177,7 +171,7 @@ class DenseGradients:
             rows = slice(depths.start * n, depths.stop * n)
             g_k = g[rows].to(products.weight.dtype)  # bf16/fp16: low-precision operands, fp32 sums
             if self.draft is not None:
-                _input_grad_into(products, g_k, self.draft[depths, chunk.positions], scratch)
+                _input_grad_into(products, g_k, self.draft[depths], chunk, scratch)
             if self.weight is not None:
                 products.weight_grad(self.weight, g_k, inputs[rows], self._weight_started)
                 self._weight_started = True
@@ -190,14 +184,13 @@ class DenseGradients:
 class StoredLogitGradients:
     """Gradient sink: ``[G, s, b, V/tp]`` logit gradients in the weight's dtype."""
 
-    def __init__(self, draft_hidden: torch.Tensor, weight: torch.Tensor, segments):
+    def __init__(self, draft_hidden: torch.Tensor, weight: torch.Tensor, layout: RowLayout):
         G, s, b, _ = draft_hidden.shape
-        self.logit_grads = _new_rows_buffer(
-            (G, s, b, weight.shape[0]), weight.dtype, draft_hidden.device, segments, s
-        )
+        self.logit_grads = _new_rows_buffer((G, s, b, weight.shape[0]), weight.dtype, draft_hidden.device, layout)
 
     def add(self, chunk: Chunk, g, inputs, products, scratch) -> None:
-        self.logit_grads[:, chunk.positions].copy_(g.reshape(chunk.depths, chunk.stop - chunk.start, chunk.b, -1))
+        rows = g.reshape(chunk.depths, chunk.stop - chunk.start, chunk.b, -1)
+        chunk.layout.scatter(self.logit_grads, rows, chunk.start, dim=1)
 
     def finish(self) -> None:
         pass
@@ -206,10 +199,13 @@ class StoredLogitGradients:
 def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=None) -> SweepOutput:
     """One pass over all chunks, each chunk's logit gradient handed to ``sink`` (if any)."""
     G, s, b, h = draft_hidden.shape
-    options, device = plan.options, draft_hidden.device
+    options, device, layout = plan.options, draft_hidden.device, plan.layout
     loss_fn, inv_temperature = options.loss, options.inv_temperature
     source = target_source(target, plan)
-    out = _Results(G, s, b, device, source.has_target)
+    out = _Results(G, layout.count, b, device, source.has_target)
+    # Per-token tensors in the layout's rows: weight 0 (and no label) where a row has no draft.
+    token_weights = layout.to_rows(token_weights, dim=token_weights.dim() - 2)
+    labels = layout.to_rows(plan.labels, dim=1, fill=-1) if plan.labels is not None else None
     products, scratch, ops = Products(weight), Scratch(), None
     # |dL/dz| <= grad_bound * w / T per row; the sink's gradients carry grad_scale.
     grad_scale = products.gradient_scale(token_weights, loss_fn.grad_bound * inv_temperature)
@@ -219,21 +215,21 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
     one_pass_grad = sink is not None and loss_fn.row_local and group_size(plan.tp_group) == 1
     want_dot = sink is not None and loss_fn.tv_grad
 
-    for chunk in chunks(plan.segments, plan.positions_per_chunk, b, G, source.has_target):
+    for chunk in chunks(layout, plan.rows_per_chunk, b, G, source.has_target):
         n = chunk.tokens
         raw = scratch.take('logits', (chunk.target_rows + G * n, weight.shape[0]), torch.float32, device)
-        drafts = [draft_hidden[k, chunk.positions].reshape(n, h) for k in range(G)]
+        drafts = [piece for k in range(G) for piece in chunk.drafts(draft_hidden[k])]
         inputs, in_place_rows = source.logits(chunk, drafts, products, scratch, raw)
         z = _scaled_logits(raw, plan)  # row ops overwrite it; raw stays for the chain rule
         ops = ops or row_ops_for(z, options.kernels)[0]
-        label_logits = _label_logits(z, chunk, plan.labels, vocab) if plan.labels is not None else None
+        label_logits = _label_logits(z, chunk, labels, vocab) if labels is not None else None
 
         # Collective 1: the normalisers (and argmax) of the target rows and every depth's rows.
         probs, stats = ops.normalise_(z, plan.tp_group, vocab[0] if options.metrics else None, source=in_place_rows)
         pairs = [(ops.rows(probs, t.start, t.stop), ops.rows(probs, r.start, r.stop))
                  for t, r in ((chunk.target_of(k), chunk.draft_rows(k)) for k in range(G))
                  if source.has_target]
-        w = token_weights[chunk.positions].reshape(n) if loss_fn.per_chain else token_weights[:, chunk.positions].reshape(G, n)
+        w = token_weights[chunk.span].reshape(n) if loss_fn.per_chain else token_weights[:, chunk.span].reshape(G, n)
 
         # Collective 2: every depth's overlap and, as needed, dot product, KL and label logits.
         sums = [
@@ -259,7 +255,11 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
         sink.add(chunk, g, inputs, products, scratch)
     if sink is not None:
         sink.finish()
-    return SweepOutput(out.loss, out.alpha, out.correct, out.per_depth, out.agreement, grad_scale)
+    alpha, correct, per_depth, agreement = (
+        layout.to_positions(x, dim=1) if x is not None else None
+        for x in (out.alpha, out.correct, out.per_depth, out.agreement)
+    )
+    return SweepOutput(out.loss, alpha, correct, per_depth, agreement, grad_scale)
 
 
 def _write_grad(ops, pairs, terms, dot, coef_scale) -> None:
@@ -289,7 +289,7 @@ class _Results:
 
     def record(self, chunk: Chunk, row: _RowSums, terms, stats) -> None:
         shape = (chunk.depths, chunk.stop - chunk.start, chunk.b)
-        rows = chunk.positions
+        rows = chunk.span
         if self.alpha is not None:
             self.alpha[:, rows] = row.alpha.view(shape)
         if row.hits is not None:
@@ -355,63 +355,69 @@ def _chain_rule_(g: torch.Tensor, raw: torch.Tensor, chunk: Chunk, logits_fn) ->
         g[k * n : (k + 1) * n].copy_(chained)
 
 
-def _input_grad_into(products, g: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> None:
-    if out.shape[0] == 1:
-        products.input_grad(g, out.view(g.shape[0], -1))
+def _input_grad_into(products, g: torch.Tensor, out: torch.Tensor, chunk: Chunk, scratch: Scratch) -> None:
+    """``g @ W`` of the chunk's rows for ``out``'s depths (``[d, s, b, h]``), at their positions."""
+    d, _, b, h = out.shape
+    if d == 1 and chunk.layout.identity:  # rows are positions: straight into the gradient
+        products.input_grad(g, out[0, chunk.span].view(g.shape[0], h))
         return
-    flat = scratch.take('input_grad', (g.shape[0], out.shape[-1]), out.dtype, out.device)
+    flat = scratch.take('input_grad', (g.shape[0], h), out.dtype, out.device)
     products.input_grad(g, flat)
-    out.copy_(flat.view(out.shape))
+    chunk.layout.scatter(out, flat.view(d, chunk.stop - chunk.start, b, h), chunk.start, dim=1)
 
 
-def _new_rows_buffer(shape, dtype, device, segments, s) -> torch.Tensor:
-    bounds = sorted((seg.start, seg.stop) for seg in segments)
-    covered = 0
-    for start, stop in bounds:
-        if start != covered:
-            break
-        covered = stop
-    if covered == s:
+def _new_rows_buffer(shape, dtype, device, layout: RowLayout) -> torch.Tensor:
+    if layout.covers_positions:
         return torch.empty(shape, dtype=dtype, device=device)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _virtual_rows(target_hidden, seg: TargetSegment, first: int, stop: int) -> torch.Tensor:
-    """Rows ``[first, stop)`` of ``target_hidden[seg.start:seg.stop] ++ halo`` (zeros if no halo)."""
-    if stop <= seg.stop:
-        return target_hidden[first:stop]
-    body = target_hidden[first : seg.stop]
-    extra = stop - max(first, seg.stop)
-    if seg.halo is not None:
-        tail = seg.halo[:extra].to(target_hidden.dtype)
-    else:
-        tail = target_hidden.new_zeros((extra,) + tuple(target_hidden.shape[1:]))
-    return torch.cat([body, tail]) if body.shape[0] else tail
+def _target_hidden_rows(target_hidden: torch.Tensor, run) -> torch.Tensor:
+    """A target :class:`~.alignment.Run`'s ``[rows * b, h]``: positions, halo rows or zeros."""
+    if run.position is not None:
+        return _positions(target_hidden, run)
+    halo = run.segment.halo
+    if halo is None:
+        return target_hidden.new_zeros(((run.hi - run.lo) * target_hidden.shape[1], target_hidden.shape[2]))
+    return halo[run.halo_rows].to(target_hidden.dtype).reshape(-1, target_hidden.shape[2])
 
 
-def _target_logit_rows(target_logits, seg: TargetSegment, first: int, stop: int, products, out,
-                       defer_body: bool = False) -> Optional[torch.Tensor]:
-    """Logits of :func:`_virtual_rows` into ``out`` (``defer_body``: the body rows returned)."""
-    body_stop = min(stop, seg.stop)
-    n_body = max(0, body_stop - first) * target_logits.shape[1]
-    body = None
-    if n_body:
-        body = target_logits[first:body_stop].reshape(n_body, target_logits.shape[-1])
-        if not defer_body:
-            out[:n_body].copy_(body)
-            body = None
-    extra = stop - max(first, seg.stop)
-    if extra <= 0:
-        return body
-    tail = out[n_body:]
-    if seg.halo is None:
-        tail.zero_()
-        return body
-    halo = seg.halo[:extra].reshape(tail.shape[0], -1).to(products.weight.dtype)
-    products.logits(halo, tail)
-    if target_logits.dtype != torch.float32:
-        tail.copy_(tail.to(target_logits.dtype))
-    return body
+def _target_logit_rows(target_logits, chunk: Chunk, products, scratch: Scratch, out,
+                       defer_first: bool = False) -> Optional[torch.Tensor]:
+    """The chunk's target logits into ``out``: positions' read from ``target_logits``, halo rows
+    projected in one product. ``defer_first``: a first run of positions is returned, not copied
+    (read in place)."""
+    b, V = target_logits.shape[1], target_logits.shape[-1]
+    deferred, halos = None, []
+    for i, run in enumerate(chunk.target_runs()):
+        rows = out[run.lo * b : run.hi * b]
+        if run.position is not None:
+            body = _positions(target_logits, run)
+            if i == 0 and defer_first:
+                deferred = body
+            else:
+                rows.copy_(body)
+        elif run.segment.halo is None:
+            rows.zero_()
+        else:
+            halos.append((run, rows))
+    if len(halos) == 1:  # one product straight into place (no CP packing: the usual case)
+        run, rows = halos[0]
+        products.logits(run.segment.halo[run.halo_rows].reshape(rows.shape[0], -1).to(products.weight.dtype), rows)
+        projected = [rows]
+    elif halos:
+        hidden = torch.cat([run.segment.halo[run.halo_rows].reshape(rows.shape[0], -1) for run, rows in halos])
+        logits = scratch.take('halo_logits', (hidden.shape[0], V), out.dtype, out.device)
+        products.logits(hidden.to(products.weight.dtype), logits)
+        projected, first = [], 0
+        for _, rows in halos:
+            rows.copy_(logits[first : first + rows.shape[0]])
+            first += rows.shape[0]
+            projected.append(rows)
+    if halos and target_logits.dtype != torch.float32:  # as the main head's own logits
+        for rows in projected:
+            rows.copy_(rows.to(target_logits.dtype))
+    return deferred
 
 
 class _LabelLogits(NamedTuple):
@@ -422,7 +428,7 @@ class _LabelLogits(NamedTuple):
 def _label_logits(z: torch.Tensor, chunk: Chunk, labels: torch.Tensor, vocab) -> _LabelLogits:
     """Read before the row ops overwrite ``z``; a label outside ``[0, V)`` counts as logit 0."""
     start, stop = vocab
-    chunk_labels = labels[:, chunk.positions].reshape(chunk.depths, chunk.tokens)
+    chunk_labels = labels[:, chunk.span].reshape(chunk.depths, chunk.tokens)
     in_shard = (chunk_labels >= start) & (chunk_labels < stop)
     local = torch.where(in_shard, chunk_labels - start, torch.full_like(chunk_labels, -1))
     picked = torch.stack([
