@@ -86,15 +86,9 @@ def linear_tv_loss(
     tokens = options.chunk_size or auto_chunk_tokens(
         s * b, G, h, weight.shape[0], target_rows=target_hidden is not None or target_logits is not None
     )
-    plan = SweepPlan(
-        options=options,
-        rows_per_chunk=max(1, tokens // b),
-        tp_group=tp_group,
-        logits_fn=logits_fn,
-        layout=RowLayout(segments if segments is not None else (TargetSegment(0, s),), G, s),
-        labels=labels,
-        target_is_logits=target_logits is not None,
-    )
+    layout = RowLayout(segments if segments is not None else (TargetSegment(0, s),), G, s)
+    plan = SweepPlan(options, max(1, tokens // b), tp_group, logits_fn, layout, labels,
+                     target_is_logits=target_logits is not None)
     target = target_logits if target_logits is not None else target_hidden
     target = target.detach() if target is not None else None
     token_weights = token_weights.detach().float()

@@ -245,21 +245,20 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
         if not one_pass_grad:
             _write_grad(ops, pairs, terms, row.dot, coef_scale)
         if terms.label_coef is not None:
-            for k in range(G):
-                draft = chunk.draft_rows(k)
-                ops.label_grad_(ops.rows(probs, draft.start, draft.stop), label_logits.local_index[k],
-                                terms.label_coef[k] * coef_scale)
+            _write_label_grad(ops, probs, chunk, label_logits, terms.label_coef * coef_scale)
         g = ops.written_grad(ops.rows(probs, chunk.target_rows, chunk.target_rows + G * n))
         if plan.logits_fn is not None:
             _chain_rule_(g, raw, chunk, plan.logits_fn)
         sink.add(chunk, g, inputs, products, scratch)
     if sink is not None:
         sink.finish()
-    alpha, correct, per_depth, agreement = (
-        layout.to_positions(x, dim=1) if x is not None else None
-        for x in (out.alpha, out.correct, out.per_depth, out.agreement)
-    )
-    return SweepOutput(out.loss, alpha, correct, per_depth, agreement, grad_scale)
+    return out.output(layout, grad_scale)
+
+
+def _write_label_grad(ops, probs, chunk: Chunk, label_logits, coef: torch.Tensor) -> None:
+    for k in range(chunk.depths):
+        draft = chunk.draft_rows(k)
+        ops.label_grad_(ops.rows(probs, draft.start, draft.stop), label_logits.local_index[k], coef[k])
 
 
 def _write_grad(ops, pairs, terms, dot, coef_scale) -> None:
@@ -301,6 +300,14 @@ class _Results:
             self.agreement[:, rows] = agree.view(shape)
         self.loss += terms.loss
         self.per_depth[:, rows] = terms.per_depth.view(shape)
+
+    def output(self, layout: RowLayout, grad_scale: torch.Tensor) -> SweepOutput:
+        """The per-token results at their positions."""
+        alpha, correct, per_depth, agreement = (
+            layout.to_positions(x, dim=1) if x is not None else None
+            for x in (self.alpha, self.correct, self.per_depth, self.agreement)
+        )
+        return SweepOutput(self.loss, alpha, correct, per_depth, agreement, grad_scale)
 
 
 def _reduce(sums, label_logits, stats, chunk: Chunk, want_dot: bool, want_kl: bool, group) -> _RowSums:
