@@ -42,11 +42,11 @@ def _inputs(G, b, seed=0):
 
 @pytest.mark.parametrize('loss_type', list(LOSSES))
 @pytest.mark.parametrize('G', [1, 3])
-@pytest.mark.parametrize('b', [1, 2])
-@pytest.mark.parametrize('chunk', [7, 0])  # 7 rows: chunks start and end inside segments
-@pytest.mark.parametrize('given, storage', [('hidden', 'dense'), ('logits', 'logit_grads'),
-                                            ('fp32 logits', 'dense')])
-def test_chunks_across_segments_match_reference(loss_type, G, b, chunk, given, storage):
+@pytest.mark.parametrize('given, storage, b, chunk', [
+    # 7 rows: chunks start and end inside segments; 0: the automatic chunk (one here)
+    ('hidden', 'dense', 2, 7), ('logits', 'logit_grads', 1, 7), ('fp32 logits', 'dense', 1, 7),
+    ('logits', 'dense', 2, 0)])
+def test_chunks_across_segments_match_reference(loss_type, G, given, storage, b, chunk):
     draft, target, weight, masks, labels = _inputs(G, b)
     chunk_tokens = chunk * b
     logits = target @ weight.detach().t()

@@ -156,7 +156,7 @@ def _run_demo(args, env_extra=None):
 @pytest.mark.slow
 def test_smoke_preset_runs_every_scenario_and_resumes(tmp_path):
     """The command end to end on the ``smoke`` preset: every scenario of the ``long`` preset
-    (the learning-rate grid at the full budget, extended past a winning edge, every seed's test,
+    (the learning-rate grid at the full budget, every seed's test,
     the moved backbone and the healing grid, joint training) on 32-token windows; its report,
     summary and plot. Then the resume: with one part's file removed, a rerun runs that
     part alone, reading the heads and the moved backbone it needs from the cache folder."""
