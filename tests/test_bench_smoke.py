@@ -1,6 +1,6 @@
 """Smoke test of the loss benchmark (``tools/bench_loss.py``) and of its memory instruments.
 
-The benchmark itself runs in a subprocess with ``--quick`` (tiny shapes, every row group: TP=1
+The benchmark itself runs in a subprocess with ``--quick`` (tiny shapes, the row groups: TP=1
 and TP=2, the 'step' GPTModel and the 'wide' MTP path); the memory tracker is validated
 in-process on allocation patterns whose byte counts are known, the targets and products floors
 on made-up rows.
@@ -428,3 +428,42 @@ def test_row_ops_benchmark_times_each_choice_against_its_baseline(capsys):
         with bench.hog(kind, core) as hog:  # busy on its core while the block runs, then gone
             assert hog.poll() is None and os.sched_getaffinity(hog.pid) == {core}
         assert hog.poll() is not None
+
+
+def test_packed_rows_target_the_collectives_of_one_sequence():
+    # The 'packed' rows (TP=2 x CP=2, run by `--cases packed`) on made-up counts: the packed row
+    # meets its target only with one sequence's collective calls, and the table shows both.
+    def row(impl, sequences, products, collectives):
+        return {'case': 'packed', 'seq': 4096, 'tp': 2, 'cp': 2, 'G': 1, 'impl': impl,
+                'sequences': sequences, 'tokens': 4096, 'time_s': 1.0, 'times_s': [1.0],
+                'ratio': 1.0, 'vs_one_sequence': None if impl == 'ce' else 1.0,
+                'products': products, 'collectives': collectives}
+
+    args = argparse.Namespace(hidden=64)
+    for collectives, met in ((10, True), (258, False)):
+        rows = [row('ce', 1, 3, 4), row('tv 1 sequence', 1, 13, 10),
+                row('tv 64 sequences', 64, 16, collectives)]
+        apply_targets(rows, args)
+        assert rows[2]['met'] is met and rows[1]['met'] is None and rows[0]['target'] == 'baseline'
+    table = '\n'.join(report_module.render_packed(rows))
+    assert "| tv 64 sequences | 64 | 16 | 258 |" in table and 'MISS' in table
+
+
+def test_packed_counter_counts_products_and_collectives():
+    import torch.distributed as dist
+
+    from lossbench.packed import counting_calls
+
+    counts = {}
+    a = torch.randn(4, 3, requires_grad=True)
+    group = dist.new_group(backend='gloo') if dist.is_initialized() else None
+    if group is None:
+        dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with counting_calls(counts):
+            (a @ torch.randn(3, 5)).sum().backward()  # mm forward, mm backward
+            dist.all_reduce(torch.ones(2), group=group)
+    finally:
+        if group is None:
+            dist.destroy_process_group()
+    assert counts == {'products': 2, 'collectives': 1}
