@@ -18,7 +18,7 @@ S, H, V = 23, 8, 13
 BOUNDS = (0, 4, 5, 11, 13, 19, 23)
 
 
-def _segments(target, G, drop_last_halo=True):
+def _segments(target, G):
     """Segments at BOUNDS, each continued by the true next rows as its halo (what the next CP
     rank sends): the loss must equal the one-segment loss."""
     segments = []

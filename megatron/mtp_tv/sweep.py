@@ -408,22 +408,16 @@ def _target_logit_rows(target_logits, chunk: Chunk, products, scratch: Scratch, 
             rows.zero_()
         else:
             halos.append((run, rows))
-    if len(halos) == 1:  # one product straight into place (no CP packing: the usual case)
-        run, rows = halos[0]
-        products.logits(run.segment.halo[run.halo_rows].reshape(rows.shape[0], -1).to(products.weight.dtype), rows)
-        projected = [rows]
-    elif halos:
+    if halos:
         hidden = torch.cat([run.segment.halo[run.halo_rows].reshape(rows.shape[0], -1) for run, rows in halos])
         logits = scratch.take('halo_logits', (hidden.shape[0], V), out.dtype, out.device)
         products.logits(hidden.to(products.weight.dtype), logits)
-        projected, first = [], 0
+        if target_logits.dtype != torch.float32:  # as the main head's own logits
+            logits.copy_(logits.to(target_logits.dtype))
+        first = 0
         for _, rows in halos:
             rows.copy_(logits[first : first + rows.shape[0]])
             first += rows.shape[0]
-            projected.append(rows)
-    if halos and target_logits.dtype != torch.float32:  # as the main head's own logits
-        for rows in projected:
-            rows.copy_(rows.to(target_logits.dtype))
     return deferred
 
 

@@ -15,8 +15,8 @@ from typing import Dict, List
 
 import torch
 
-from .cases import ce_baseline, loss_module
-from .timing import paired_ratio, time_interleaved
+from .cases import Case, ce_baseline, loss_module
+from .timing import paired_ratio, summarise, time_cases
 
 TP, CP = 2, 2
 #: aten matrix products (``torch.matmul`` lowers to these; the weight gradient accumulates).
@@ -62,8 +62,8 @@ def counting_calls(counts: Dict[str, int]):
 
 
 def packed_cases(tokens: int, sequences: int, h: int, V: int, chunk: int, seed: int = 0):
-    """``{impl: (forward, leaves)}`` on this rank: Megatron's CE on the draft rows, the TV loss
-    (target: the main head's logits) with the tokens as one sequence and as ``sequences``."""
+    """``{impl: Case}`` on this rank: Megatron's CE on the draft rows, the TV loss (target: the
+    main head's logits) with the tokens as one sequence and as ``sequences``."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
@@ -97,9 +97,9 @@ def packed_cases(tokens: int, sequences: int, h: int, V: int, chunk: int, seed: 
                                   segments=segments, target_logits=main_logits).loss
         return forward
 
-    per_sequence = tokens // sequences
-    packed = list(range(0, tokens + 1, per_sequence))
-    return {'ce': ce, 'tv 1 sequence': tv(None), f'tv {sequences} sequences': tv(packed)}, [draft, weight]
+    packed = list(range(0, tokens + 1, tokens // sequences))
+    forwards = {'ce': ce, 'tv 1 sequence': tv(None), f'tv {sequences} sequences': tv(packed)}
+    return {name: Case(forward, [draft, weight]) for name, forward in forwards.items()}
 
 
 def _worker(rank: int, args_dict: dict) -> List[dict]:
@@ -109,17 +109,7 @@ def _worker(rank: int, args_dict: dict) -> List[dict]:
     # Subnormal logit gradients (a few percent of one rank's, with these random inputs) slow x86
     # GEMMs 2-4x, not a GPU's: flushed, so that the slowest rank is not the one with them.
     torch.set_flush_denormal(True)
-    cases, leaves = packed_cases(args.packed_tokens, args.packed_seqs, args.hidden, args.vocab,
-                                 args.chunk)
-
-    def step(forward):
-        def run():
-            forward().sum().backward()
-        return run
-
-    def reset(_name):
-        for leaf in leaves:
-            leaf.grad = None
+    cases = packed_cases(args.packed_tokens, args.packed_seqs, args.hidden, args.vocab, args.chunk)
 
     def sync(dt: float) -> float:
         t = torch.tensor([dt], dtype=torch.float64)
@@ -127,26 +117,23 @@ def _worker(rank: int, args_dict: dict) -> List[dict]:
         return float(t)
 
     counts = {}
-    for name, forward in cases.items():
-        reset(name)
+    for name, case in cases.items():
+        case.reset()
         counts[name] = {}
         with counting_calls(counts[name]):
-            step(forward)()
-    times = time_interleaved({n: step(f) for n, f in cases.items()}, args.repeats, args.warmup,
-                             before=reset, sync=sync)
+            case.step()
+    times = time_cases(cases, args.repeats, args.warmup, sync)
     if rank == 0:
         print(time.strftime('%H:%M:%S'), f"  packed tokens={args.packed_tokens}: " + ", ".join(
             f"{n} {min(ts):.3f}s" for n, ts in times.items()), flush=True)
     rows, one = [], times['tv 1 sequence']
-    for name, ts in times.items():
-        sequences = args.packed_seqs if name.endswith('sequences') else 1
+    for name, r in summarise(times, 'ce').items():
         rows.append({
             'case': 'packed', 'seq': args.packed_tokens, 'tp': TP, 'cp': CP, 'G': 1, 'impl': name,
-            'sequences': sequences, 'tokens': args.packed_tokens,
-            'time_s': sorted(ts)[len(ts) // 2], 'times_s': ts,
-            'ratio': 1.0 if name == 'ce' else paired_ratio(ts, times['ce']),
-            'ratio_of_medians': sorted(ts)[len(ts) // 2] / sorted(times['ce'])[len(ts) // 2],
-            'vs_one_sequence': paired_ratio(ts, one) if name.startswith('tv') else None,
+            'sequences': args.packed_seqs if name.endswith('sequences') else 1,
+            'tokens': args.packed_tokens, 'time_s': r['time'], 'times_s': r['times'],
+            'ratio': r['ratio'], 'ratio_of_medians': r['ratio_of_medians'],
+            'vs_one_sequence': paired_ratio(r['times'], one) if name.startswith('tv') else None,
             **counts[name],
         })
     return rows
