@@ -13,8 +13,8 @@ before any test module is imported, and by ``tools/verify_patched_tree.py``):
   copy of the package;
 * leaves ``mtp_tv_dev`` (test and demo support, never shipped) as it is: this checkout's.
 
-The tree's package has no plugin module, so its own ``install()`` is a no-op: nothing is
-monkey-patched into megatron-core.
+The tree's package has no plugin module (nor ``install()``): here ``install()`` is a no-op and
+``is_installed()`` true, nothing is monkey-patched into megatron-core.
 
 Tests that only make sense for the plugin are marked ``@pytest.mark.plugin_only`` and skipped
 (``tests/patch_mode.py``).
@@ -55,6 +55,8 @@ def activate() -> Path:
         raise RuntimeError(f'megatron.core comes from {megatron.core.__file__}, not from {tree}')
 
     native = importlib.import_module(NATIVE)
+    # The plugin's install() has nothing to do in a patched tree (its copy has no plugin module).
+    native.install, native.is_installed = (lambda: None), (lambda: True)
     sys.modules['megatron.mtp_tv'] = native
     megatron.mtp_tv = native
     for info in pkgutil.iter_modules(native.__path__):

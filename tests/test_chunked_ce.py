@@ -116,7 +116,7 @@ def test_sweep_refuses_what_cross_entropy_cannot_mean():
 @pytest.mark.parametrize('fields,message', [
     (dict(mtp_loss_type='tv', mtp_ce_chunked=True), "mtp_loss_type='tv' \\(always chunked\\)"),
     (dict(mtp_ce_chunked=True, mtp_tv_temperature=0.7), 'cross-entropy is at temperature 1'),
-    (dict(mtp_ce_chunked=1), 'mtp_ce_chunked=1 must be True or False'),
+    (dict(mtp_ce_chunked=1), 'mtp_ce_chunked=1 is invalid; it must be True or False'),
 ])
 def test_config_refuses_settings_it_would_ignore(fields, message):
     from megatron.core.transformer.transformer_config import TransformerConfig

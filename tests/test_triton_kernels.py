@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.mtp_tv.row_ops import TorchRowOps, TritonRowOps, select_row_ops
+from megatron.mtp_tv.row_ops import TorchRowOps, TritonRowOps, row_ops_for, triton_unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,14 +82,13 @@ def test_reference_cases_through_the_kernels(test_file):
 
 def test_dispatch_says_why_the_kernel_is_not_used(monkeypatch):
     monkeypatch.delenv('TRITON_INTERPRET', raising=False)
-    ops, reason = select_row_ops(torch.zeros(2, 3))
-    assert isinstance(ops, TorchRowOps) and 'cpu' in reason and 'CUDA' in reason
+    reason = triton_unavailable_reason(torch.zeros(2, 3))
+    assert 'cpu' in reason and 'CUDA' in reason
+    assert isinstance(row_ops_for(torch.zeros(2, 3), 'auto'), TorchRowOps)
     with pytest.raises(RuntimeError, match="mtp_tv_kernels='triton' but the Triton kernel cannot run"):
-        select_row_ops(torch.zeros(2, 3), 'triton')
+        row_ops_for(torch.zeros(2, 3), 'triton')
     monkeypatch.setenv('TRITON_INTERPRET', '1')
-    assert isinstance(select_row_ops(torch.zeros(2, 3))[0], TritonRowOps)  # what the sweeps get
-    ops, reason = select_row_ops(torch.zeros(2, 3, dtype=torch.bfloat16))
-    assert isinstance(ops, TorchRowOps) and 'bfloat16' in reason
-    assert select_row_ops(torch.zeros(2, 3), 'torch')[1] == "mtp_tv_kernels='torch'"
-    with pytest.raises(ValueError, match="'yes'"):
-        select_row_ops(torch.zeros(2, 3), 'yes')
+    assert isinstance(row_ops_for(torch.zeros(2, 3), 'auto'), TritonRowOps)  # what the sweeps get
+    assert 'bfloat16' in triton_unavailable_reason(torch.zeros(2, 3, dtype=torch.bfloat16))
+    assert isinstance(row_ops_for(torch.zeros(2, 3, dtype=torch.bfloat16), 'auto'), TorchRowOps)
+    assert isinstance(row_ops_for(torch.zeros(2, 3), 'torch'), TorchRowOps)

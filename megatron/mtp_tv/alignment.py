@@ -147,10 +147,9 @@ def target_segments(
     front_halos, back_halos = _exchange(heads_front, heads_back, rank, cp, cp_group)
     segments = []
     for i, (a, b_, c, d) in enumerate(chunks):
-        front = front_halos[i] if front_halos is not None else heads_back[i]
-        back = back_halos[i] if back_halos is not None else None
+        front = front_halos[i] if front_halos[i] is not None else heads_back[i]
         segments.append(TargetSegment(a, b_, front))
-        segments.append(TargetSegment(c, d, back))
+        segments.append(TargetSegment(c, d, back_halos[i]))
     return segments
 
 
@@ -188,15 +187,7 @@ def contiguous_target_segments(
             f"shorter than mtp_num_layers={depth}, so MTP targets would lie two ranks away; use "
             "longer packed rows or a smaller context parallel size."
         )
-    ranks = dist.get_process_group_ranks(cp_group)
-    ops, halo = [], None
-    if rank > 0:
-        ops.append(dist.P2POp(dist.isend, target_hidden[:depth].contiguous(), ranks[rank - 1], cp_group))
-    if rank < cp - 1:
-        halo = torch.empty_like(target_hidden[:depth])
-        ops.append(dist.P2POp(dist.irecv, halo, ranks[rank + 1], cp_group))
-    for req in dist.batch_isend_irecv(ops):
-        req.wait()
+    (halo,), _ = _exchange([target_hidden[:depth]], None, rank, cp, cp_group)
     return [TargetSegment(0, s_local, halo)]
 
 
@@ -213,20 +204,26 @@ def _local_sequence_bounds(s_local: int, cp: int, cu_seqlens) -> List[tuple]:
 
 
 def _exchange(heads_front, heads_back, rank, cp, group):
+    """``(front halos, back halos)``: each rank's front heads go to rank - 1 (the halos of its
+    front chunks), its back heads (if any) to rank + 1; None for a halo no rank sends."""
     ranks = dist.get_process_group_ranks(group)
+    front = torch.stack(heads_front)
+    back = torch.stack(heads_back) if heads_back is not None else None
     ops, recv_front, recv_back = [], None, None
-    if rank > 0:  # my front head is the halo of rank-1's front chunk
-        ops.append(dist.P2POp(dist.isend, torch.stack(heads_front).contiguous(), ranks[rank - 1], group))
-        recv_back = torch.empty_like(torch.stack(heads_back))
-        ops.append(dist.P2POp(dist.irecv, recv_back, ranks[rank - 1], group))
+    if rank > 0:
+        ops.append(dist.P2POp(dist.isend, front, ranks[rank - 1], group))
+        if back is not None:
+            recv_back = torch.empty_like(back)
+            ops.append(dist.P2POp(dist.irecv, recv_back, ranks[rank - 1], group))
     if rank < cp - 1:
-        recv_front = torch.empty_like(torch.stack(heads_front))
+        recv_front = torch.empty_like(front)
         ops.append(dist.P2POp(dist.irecv, recv_front, ranks[rank + 1], group))
-        ops.append(dist.P2POp(dist.isend, torch.stack(heads_back).contiguous(), ranks[rank + 1], group))
+        if back is not None:
+            ops.append(dist.P2POp(dist.isend, back, ranks[rank + 1], group))
     if ops:
         for req in dist.batch_isend_irecv(ops):
             req.wait()
     return (
-        list(recv_front) if recv_front is not None else None,
-        list(recv_back) if recv_back is not None else None,
+        list(recv_front) if recv_front is not None else [None] * len(heads_front),
+        list(recv_back) if recv_back is not None else [None] * len(heads_back or ()),
     )

@@ -4,9 +4,10 @@ import ast
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Dict, Literal, get_args
+from typing import Dict, Literal
 
 from .losses import LOSSES
+from .row_ops import ROW_KERNELS
 
 #: Names of Megatron's own cross-entropy MTP loss (``'cross_entropy'``: NVIDIA/Megatron-LM #6473).
 CROSS_ENTROPY_NAMES = ('ce', 'cross_entropy')
@@ -32,18 +33,15 @@ class MTPLossConfig:
     """MTP loss settings (merged into ``TransformerConfig``)."""
 
     mtp_loss_type: Literal['ce', 'cross_entropy', 'tv', 'e2e_tv', 'kl', 'lk', 'nla'] = 'ce'
-    """Training objective of the Multi-Token Prediction (MTP) heads. With p the main model's
+    """Training objective of the Multi-Token Prediction (MTP) heads, with p the main model's
     detached next-token distribution, q_k depth k's draft and alpha_k = sum_v min(p, q_k) the
-    rejection-sampling (speculative decoding) acceptance rate, 1 - total variation: 'ce' (alias
-    'cross_entropy'): Megatron's cross-entropy against the data labels (mtp_ce_chunked: at
-    bounded memory); 'tv': 1 - alpha_k per depth; 'e2e_tv': 1 - (1/D) sum_j prod_{i<=j} alpha_i
-    (expected accepted drafts per verify step over D), all depths jointly; 'kl': KL(p || q_k)
-    per depth (self-distillation), which learns from a cold start, where TV's gradient
-    vanishes; 'lk': lambda KL(p || q_k) + (1 - lambda)(1 - alpha_k), lambda =
-    exp(-mtp_lk_eta alpha_k) held constant (KL while cold, TV once warm); 'nla':
-    -log(max(alpha_k, 1e-5)) (LK^alpha), optimises acceptance with no hyper-parameter and learns
-    from a cold start (at a one-hot target it is cross-entropy); below the 1e-5 floor its value
-    is constant, its gradient -(1 / 1e-5) d alpha_k kept, not clamped to 0."""
+    speculative-decoding acceptance rate (1 - total variation). 'ce' (alias 'cross_entropy'):
+    Megatron's cross-entropy against the labels; 'tv': 1 - alpha_k per depth; 'e2e_tv':
+    1 - (1/D) sum_j prod_{i<=j} alpha_i (expected accepted drafts per verify step over D) for all
+    depths jointly; 'kl': KL(p || q_k) (self-distillation; learns from a cold start, where TV's
+    gradient vanishes); 'lk': lambda KL + (1 - lambda)(1 - alpha_k), lambda = exp(-mtp_lk_eta
+    alpha_k) held constant; 'nla': -log(max(alpha_k, 1e-5)), no hyper-parameter, learns from a
+    cold start (its gradient below the floor is kept, not clamped to 0)."""
 
     mtp_tv_chunk: int = 0
     """Tokens per chunk for every loss but Megatron's 'ce' (and 'ce' with mtp_ce_chunked), at
@@ -78,53 +76,49 @@ class MTPLossConfig:
 # END MTP_TV FIELDS
 
 
-_CHOICES = {name: get_args(MTPLossConfig.__annotations__[name]) for name in ('mtp_tv_kernels',)}
-
-
 def _is_real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+#: Each kind of setting: whether a value is allowed, and what the error says is.
+_KINDS = {
+    'chunk': (lambda v: _is_real(v) and isinstance(v, int) and v >= 0, 'an int >= 0 (0: automatic)'),
+    'temperature': (lambda v: _is_real(v) and math.isfinite(v) and v > 0, 'a finite number > 0'),
+    'flag': (lambda v: isinstance(v, bool), 'True or False'),
+}
+
+_FIELD_KINDS = {'mtp_tv_chunk': 'chunk', 'mtp_tv_temperature': 'temperature',
+                'mtp_log_acceptance': 'flag', 'mtp_ce_chunked': 'flag'}
+
+
+def check_setting(name: str, value, kind: str) -> None:
+    """ValueError naming ``name=value`` and what is allowed, unless it is a valid ``kind``."""
+    allowed, what = _KINDS[kind]
+    if not allowed(value):
+        raise ValueError(f"{name}={value!r} is invalid; it must be {what}.")
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not supported; choose one of {list(choices)}.")
 
 
 def validate_mtp_loss_config(config) -> None:
     """Raises ValueError, naming the value and what is allowed, for bad MTP loss fields of
     ``config``; runs in ``TransformerConfig.__post_init__`` and again at every MTP loss."""
-    _check_values(config)
-    _check_combination(config)
-
-
-def _check_values(config) -> None:
-    loss_type = getattr(config, 'mtp_loss_type', 'ce')
-    if loss_type not in MTP_LOSS_TYPES:
-        raise ValueError(
-            f"mtp_loss_type={loss_type!r} is not supported; choose one of {list(MTP_LOSS_TYPES)}."
-        )
-    chunk = getattr(config, 'mtp_tv_chunk', 0)
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
-        raise ValueError(
-            f"mtp_tv_chunk={chunk!r} is invalid; it must be an int >= 0 (0 means automatic)."
-        )
-    temperature = getattr(config, 'mtp_tv_temperature', 1.0)
-    if not _is_real(temperature) or not math.isfinite(temperature) or temperature <= 0:
-        raise ValueError(
-            f"mtp_tv_temperature={temperature!r} is invalid; it must be a finite number > 0."
-        )
+    check_choice('mtp_loss_type', getattr(config, 'mtp_loss_type', 'ce'), MTP_LOSS_TYPES)
+    check_choice('mtp_tv_kernels', getattr(config, 'mtp_tv_kernels', 'auto'), ROW_KERNELS)
+    for field, kind in _FIELD_KINDS.items():
+        if hasattr(config, field):
+            check_setting(field, getattr(config, field), kind)
     for loss in LOSSES.values():  # each loss checks its own hyper-parameters
         for arg, field in loss.config_fields.items():
-            if not hasattr(config, field):
-                continue
-            value = getattr(config, field)
-            try:
-                loss(**{arg: value})
-            except ValueError as error:
-                raise ValueError(f"{field}={value!r} is invalid; {error}") from None
-    for name in _CHOICES:
-        value = getattr(config, name, _CHOICES[name][0])
-        if value not in _CHOICES[name]:
-            raise ValueError(f"{name}={value!r} is not supported; choose one of {list(_CHOICES[name])}.")
-    for flag in ('mtp_log_acceptance', 'mtp_ce_chunked'):
-        value = getattr(config, flag, False)
-        if not isinstance(value, bool):
-            raise ValueError(f"{flag}={value!r} must be True or False.")
+            if hasattr(config, field):
+                try:
+                    loss(**{arg: getattr(config, field)})
+                except ValueError as error:
+                    raise ValueError(f"{field}={getattr(config, field)!r} is invalid; {error}") from None
+    _check_combination(config)
 
 
 def _check_combination(config) -> None:

@@ -93,13 +93,13 @@ def linear_tv_loss(
     target = target.detach() if target is not None else None
     token_weights = token_weights.detach().float()
     if torch.is_grad_enabled() and (draft_hidden.requires_grad or weight.requires_grad):
-        mode = BACKWARD_MODES[choose_grad_storage(
+        storage = choose_grad_storage(
             G * s * b, h, weight.shape[0], weight.dtype, draft_hidden.requires_grad,
             weight.requires_grad,
-        )]()
+        )
         # Results leave via a slot: autograd would keep non-differentiable outputs alive.
         slot = _ResultSlot()
-        loss_value = _LinearTV.apply(draft_hidden, weight, target, token_weights, plan, mode, slot)
+        loss_value = _LinearTV.apply(draft_hidden, weight, target, token_weights, plan, storage, slot)
         out = slot.value
     else:  # evaluation or metrics only: no gradient work at all
         out = sweep(draft_hidden, weight, target, token_weights, plan)
@@ -148,57 +148,32 @@ class _ResultSlot:
     value: Optional[SweepOutput] = None
 
 
-class DenseGradientsMode:
-    """Backward mode: fp32 gradients formed in forward, scaled in backward."""
-
-    def forward_sink(self, draft_hidden, weight, plan, need_draft, need_weight):
-        return DenseGradients(draft_hidden, weight, plan.layout, need_draft, need_weight)
-
-    def save(self, ctx, out, sink, draft_hidden, weight, target, token_weights):
-        ctx.save_for_backward(out.grad_scale, *(g for g in (sink.draft, sink.weight) if g is not None))
-
-    def gradients(self, ctx, need_draft, need_weight):
-        grad_scale, *saved = ctx.saved_tensors
-        grad_draft = saved.pop(0) if need_draft else None
-        grad_weight = saved.pop(0) if need_weight else None
-        return grad_draft, grad_weight, grad_scale
-
-
-class StoredLogitGradientsMode:
-    """Backward mode: logit gradients kept in the weight's dtype, multiplied out in backward."""
-
-    def forward_sink(self, draft_hidden, weight, plan, need_draft, need_weight):
-        return StoredLogitGradients(draft_hidden, weight, plan.layout)
-
-    def save(self, ctx, out, sink, draft_hidden, weight, target, token_weights):
-        ctx.save_for_backward(out.grad_scale, sink.logit_grads, draft_hidden, weight)
-
-    def gradients(self, ctx, need_draft, need_weight):
-        grad_scale, logit_grads, draft_hidden, weight = ctx.saved_tensors
-        grad_draft, grad_weight = _gradients_from_logit_grads(
-            logit_grads, draft_hidden, weight, need_draft, need_weight
-        )
-        return grad_draft, grad_weight, grad_scale
-
-
-BACKWARD_MODES = {'dense': DenseGradientsMode, 'logit_grads': StoredLogitGradientsMode}
-
-
 class _LinearTV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, draft_hidden, weight, target, token_weights, plan: SweepPlan, mode,
+    def forward(ctx, draft_hidden, weight, target, token_weights, plan: SweepPlan, storage: str,
                 slot: _ResultSlot):
-        need_draft, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        sink = mode.forward_sink(draft_hidden, weight, plan, need_draft, need_weight)
+        need = ctx.needs_input_grad[:2]
+        if storage == 'dense':  # fp32 gradients formed in forward, scaled in backward
+            sink = DenseGradients(draft_hidden, weight, plan.layout, *need)
+            saved = [g for g in (sink.draft, sink.weight) if g is not None]
+        else:  # logit gradients in the weight's dtype, multiplied out in backward
+            sink = StoredLogitGradients(draft_hidden, weight, plan.layout)
+            saved = [sink.logit_grads, draft_hidden, weight]
         out = sweep(draft_hidden, weight, target, token_weights, plan, sink)
-        mode.save(ctx, out, sink, draft_hidden, weight, target, token_weights)
-        ctx.mode, ctx.need = mode, (need_draft, need_weight)
+        ctx.save_for_backward(out.grad_scale, *saved)
+        ctx.storage, ctx.need = storage, need
         slot.value = out
         return out.loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_draft, grad_weight, grad_scale = ctx.mode.gradients(ctx, *ctx.need)
+        grad_scale, *saved = ctx.saved_tensors
+        need_draft, need_weight = ctx.need
+        if ctx.storage == 'dense':
+            grad_draft = saved.pop(0) if need_draft else None
+            grad_weight = saved.pop(0) if need_weight else None
+        else:
+            grad_draft, grad_weight = _gradients_from_logit_grads(*saved, need_draft, need_weight)
         # In place (no [V/tp, h] copy): the dense buffers serve one backward.
         factor = grad_loss.float() / grad_scale
         if grad_draft is not None:

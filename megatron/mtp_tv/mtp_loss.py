@@ -27,10 +27,12 @@ def _roll_once(
 ):
     """Megatron's ``roll_tensor(tensor, shifts=-1, dims=-1)`` -> ``(rolled, rolled.sum())``."""
     roll_tensor = _mtp.roll_tensor
-    if 'sequence_fields' in inspect.signature(roll_tensor).parameters:
+    if 'sequence_fields' in inspect.signature(roll_tensor).parameters:  # NVIDIA dev's list form
+        context = {} if roll_context is None else dict(
+            roll_context=roll_context, sequence_fields=[field], roll_depth=roll_depth)
         (rolled,) = roll_tensor(
             [tensor], shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params,
-            **_roll_context_kwargs(roll_context, field, roll_depth),
+            **context,
         )
         return rolled, rolled.sum()
     if roll_context is not None:
@@ -41,12 +43,6 @@ def _roll_once(
     return roll_tensor(
         tensor, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params
     )
-
-
-def _roll_context_kwargs(roll_context, field: Optional[str], roll_depth: int) -> dict:
-    if roll_context is None:
-        return {}
-    return dict(roll_context=roll_context, sequence_fields=[field], roll_depth=roll_depth)
 
 
 def _cp_layout(packed_seq_params, cp_group, loss_type: str) -> str:
@@ -180,65 +176,36 @@ def _mtp_tv_loss(main_hidden, draft_hidden, main_logits, labels, loss_mask, outp
     """The scalar MTP loss, its metrics logged; None without labels and input ids."""
     validate_mtp_loss_config(config)  # per call: fields may be assigned after construction
     options = MTPLossOptions.from_config(config, metrics=is_training, metrics_only=metrics_only)
+    depth = config.mtp_num_layers
+    cp_layout = _cp_layout(packed_seq_params, cp_group, config.mtp_loss_type)
 
     def roll(t, field, roll_depth):
         return _roll_once(t, cp_group, packed_seq_params, sequence_roll_context, field, roll_depth)
 
-    cp_layout = _cp_layout(packed_seq_params, cp_group, config.mtp_loss_type)
-    rolled = _roll_per_depth(labels, input_ids, loss_mask, config.mtp_num_layers, roll)
+    rolled = _roll_per_depth(labels, input_ids, loss_mask, depth, roll)
     if rolled is None:
         return None
-    inputs = _sweep_inputs(
-        options, draft_hidden, main_hidden, rolled, config, output_layer, output_weight,
-        tp_group if tp_group is not None else getattr(output_layer, 'tp_group', None), cp_group,
-        packed_seq_params, cp_layout,
-        # the own projection's rows, and the context-parallel halos (another rank's rows)
-        needs_target_hidden=options.with_target and (
-            main_logits is None or group_size(cp_group) > 1),
-    )
-    return _sweep_and_log(inputs, options, scale_logits_fn, is_training, metrics_only, main_logits)
-
-
-class _SweepInputs(NamedTuple):
-    draft: Tensor
-    target: Optional[Tensor]
-    weight: Tensor
-    token_weights: Tensor
-    rolled: '_Rolled'
-    segments: List[TargetSegment]
-    tp_group: object
-
-
-def _sweep_inputs(options: MTPLossOptions, draft, main_hidden, rolled, config, output_layer,
-                  output_weight, tp_group, cp_group, packed_seq_params, cp_layout,
-                  needs_target_hidden) -> '_SweepInputs':
-    weight = _output_weight(output_layer, output_weight, config, config.mtp_loss_type)
+    tp_group = tp_group if tp_group is not None else getattr(output_layer, 'tp_group', None)
+    weight = _output_weight(output_layer, output_weight, config)
     draft, target = _vocab_parallel_layout(
-        draft, main_hidden, config.mtp_num_layers, tp_group,
-        bool(getattr(output_layer, 'sequence_parallel', False)), needs_target_hidden,
+        draft_hidden, main_hidden, depth, tp_group,
+        bool(getattr(output_layer, 'sequence_parallel', False)),
+        # the own projection's rows, and the context-parallel halos (another rank's rows)
+        needs_target=options.with_target and (main_logits is None or group_size(cp_group) > 1),
     )
     target = target if options.with_target else None  # cross-entropy without metrics: no target rows
     # Under zigzag CP the packed bounds place the halos: this function's one host sync.
-    if target is None or group_size(cp_group) == 1:
-        segments = [TargetSegment(0, draft.shape[1])]
-    else:
+    segments = [TargetSegment(0, draft.shape[1])]
+    if target is not None and group_size(cp_group) > 1:
         zigzag_packed = packed_seq_params is not None and cp_layout == 'zigzag'
         cu_seqlens = packed_seq_params.cu_seqlens_q.tolist() if zigzag_packed else None
-        segments = target_segments(target, config.mtp_num_layers, cp_group, cu_seqlens, cp_layout)
-    return _SweepInputs(draft, target, weight, _token_weights(options.loss, rolled, config),
-                        rolled, segments, tp_group)
-
-
-def _sweep_and_log(inputs: _SweepInputs, options: MTPLossOptions, scale_logits_fn,
-                   is_training: bool, metrics_only: bool,
-                   main_logits: Optional[Tensor] = None) -> Tensor:
+        segments = target_segments(target, depth, cp_group, cu_seqlens, cp_layout)
     if main_logits is not None:
-        main_logits = _local_vocab_shard(main_logits, inputs.weight.shape[0], inputs.tp_group)
-    rolled = inputs.rolled
+        main_logits = _local_vocab_shard(main_logits, weight.shape[0], tp_group)
     result = linear_tv_loss(
-        inputs.draft, inputs.target if main_logits is None else None, inputs.weight,
-        inputs.token_weights, options, tp_group=inputs.tp_group, logits_fn=scale_logits_fn,
-        segments=inputs.segments,
+        draft, target if main_logits is None else None, weight,
+        _token_weights(options.loss, rolled, config), options, tp_group=tp_group,
+        logits_fn=scale_logits_fn, segments=segments,
         labels=(torch.stack(rolled.labels).transpose(1, 2)
                 if is_training or options.loss.needs_labels else None),
         target_logits=main_logits if options.with_target else None,
@@ -300,13 +267,13 @@ def _token_weights(loss_fn, rolled: _Rolled, config) -> Tensor:
     return (chains * norm).transpose(0, 1)
 
 
-def _output_weight(output_layer, output_weight, config, loss_type: str) -> Tensor:
+def _output_weight(output_layer, output_weight, config) -> Tensor:
     weight = output_weight if output_weight is not None else output_layer.weight
     if getattr(config, 'mtp_detach_heads', False):  # not a field in every Megatron tree
         weight = weight.detach()
     if getattr(output_layer, 'bias', None) is not None:
         raise ValueError(
-            f"mtp_loss_type={loss_type!r} supports an output layer without bias (GPTModel's); "
+            f"mtp_loss_type={config.mtp_loss_type!r} supports an output layer without bias (GPTModel's); "
             "this output layer has a bias."
         )
     return weight

@@ -1,10 +1,9 @@
 """The settings of one draft loss, validated once: :class:`MTPLossOptions`."""
 
-import math
 from dataclasses import dataclass
 from typing import Union
 
-from .config import is_cross_entropy
+from .config import check_choice, check_setting, is_cross_entropy
 from .losses import LOSSES, CrossEntropy, DraftLoss, loss_from_config, make_loss
 from .row_ops import ROW_KERNELS, RowKernels
 
@@ -36,22 +35,15 @@ class MTPLossOptions:
             object.__setattr__(self, 'loss', loss)
         elif not isinstance(loss, DraftLoss):
             raise ValueError(f"loss={loss!r}; expected a DraftLoss or one of {list(LOSS_NAMES)}.")
-        chunk = self.chunk_size
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
-            raise ValueError(f"chunk_size={chunk!r} must be an int >= 0 (0: automatic).")
-        temperature = self.temperature
-        if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-                or not math.isfinite(temperature) or temperature <= 0):
-            raise ValueError(f"temperature={temperature!r} must be a finite number > 0.")
-        object.__setattr__(self, 'temperature', float(temperature))
+        check_setting('chunk_size', self.chunk_size, 'chunk')
+        check_setting('temperature', self.temperature, 'temperature')
+        object.__setattr__(self, 'temperature', float(self.temperature))
         if loss.needs_labels and self.temperature != 1.0:
             raise ValueError(
-                f"temperature={temperature!r}: the {loss.name!r} loss is at temperature 1."
+                f"temperature={self.temperature!r}: the {loss.name!r} loss is at temperature 1."
             )
-        if self.kernels not in ROW_KERNELS:
-            raise ValueError(f"kernels={self.kernels!r}; expected one of {list(ROW_KERNELS)}.")
-        if not isinstance(self.metrics, bool):
-            raise ValueError(f"metrics={self.metrics!r} must be True or False.")
+        check_choice('kernels', self.kernels, ROW_KERNELS)
+        check_setting('metrics', self.metrics, 'flag')
 
     @property
     def inv_temperature(self) -> float:

@@ -1,11 +1,11 @@
 """The per-row vocabulary passes of the draft losses, in torch and in Triton."""
 
+import math
 import os
-from typing import Callable, Literal, NamedTuple, Optional, Tuple, get_args
+from typing import Callable, Dict, Literal, NamedTuple, Optional, Tuple, get_args
 
 import torch
 
-from .scratch import Scratch
 from .vocab_parallel import ProcessGroup, combine_row_stats, group_size
 
 RowKernels = Literal['auto', 'torch', 'triton']
@@ -13,6 +13,20 @@ ROW_KERNELS = get_args(RowKernels)
 
 #: Smallest normal fp32: KL's logarithm clamps probabilities to it (docs/losses.md).
 _TINY = torch.finfo(torch.float32).tiny
+
+class Scratch:
+    """Named buffers reused from one chunk (or row block) to the next."""
+
+    def __init__(self):
+        self._buffers: Dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
+
 
 CoefficientFn = Callable[[slice, torch.Tensor], Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]
 
@@ -281,23 +295,17 @@ def triton_unavailable_reason(logits: torch.Tensor) -> Optional[str]:
     return None
 
 
-def select_row_ops(logits: torch.Tensor, kernels: RowKernels = 'auto'):
-    """``(ops, reason)``: fresh row ops for ``logits``, and why not Triton (RuntimeError for
-    ``'triton'`` where it cannot run, ValueError for an unknown ``kernels``)."""
-    if kernels not in ROW_KERNELS:
-        raise ValueError(f'kernels={kernels!r}; expected one of {list(ROW_KERNELS)}.')
-    return row_ops_for(logits, kernels)
-
-
 def row_ops_for(logits: torch.Tensor, kernels: RowKernels):
+    """Fresh row ops for ``logits``: Triton where it can run (RuntimeError for ``'triton'``
+    where it cannot), else torch."""
     if kernels == 'torch':
-        return TorchRowOps(), "mtp_tv_kernels='torch'"
+        return TorchRowOps()
     reason = triton_unavailable_reason(logits)
     if reason is None:
-        return TritonRowOps(), None
+        return TritonRowOps()
     if kernels == 'triton':
         raise RuntimeError(f"mtp_tv_kernels='triton' but the Triton kernel cannot run: {reason}.")
-    return TorchRowOps(), reason
+    return TorchRowOps()
 
 
 def _triton():

@@ -1,4 +1,4 @@
-"""The chunked sweep every draft loss runs: target source, row passes, loss, gradient sink."""
+"""The chunked sweep every draft loss runs: chunk logits, row passes, loss, gradient sink."""
 
 from dataclasses import dataclass
 from typing import Callable, List, NamedTuple, Optional
@@ -9,8 +9,7 @@ from .alignment import RowLayout
 from .losses import DraftLoss
 from .options import MTPLossOptions
 from .products import Products
-from .row_ops import row_ops_for
-from .scratch import Scratch
+from .row_ops import Scratch, row_ops_for
 from .vocab_parallel import ProcessGroup, all_reduce_sum_, group_size, vocab_range
 
 
@@ -85,71 +84,26 @@ def chunks(layout: RowLayout, rows_per_chunk: int, b: int, depths: int, with_tar
         yield Chunk(layout, start, min(start + rows_per_chunk, layout.count), b, depths, with_target)
 
 
-class OwnProjection:
-    """Target source: target rows projected with the draft rows, one product per chunk."""
-
-    has_target = True
-
-    def __init__(self, target_hidden: torch.Tensor):
-        self.hidden = target_hidden  # [s, b, h]
-
-    def logits(self, chunk: Chunk, drafts: List[torch.Tensor], products: Products,
-               scratch: Scratch, out: torch.Tensor):
-        """Writes the chunk's logits into ``out``; returns ``(draft inputs, in-place rows)``."""
-        n_t = chunk.target_rows
-        rows = torch.cat(
-            [_target_hidden_rows(self.hidden, run) for run in chunk.target_runs()] + drafts,
-            out=scratch.take('inputs', (out.shape[0], drafts[0].shape[1]), products.weight.dtype, out.device),
-        )
-        products.logits(rows, out)
-        return rows[n_t:], None
-
-
-class MainLogits:
-    """Target source: target rows read from the main head's ``[s, b, V/tp]`` logits."""
-
-    has_target = True
-
-    def __init__(self, target_logits: torch.Tensor, read_in_place: bool):
-        self.main = target_logits
-        self.read_in_place = read_in_place
-
-    def logits(self, chunk: Chunk, drafts: List[torch.Tensor], products: Products,
-               scratch: Scratch, out: torch.Tensor):
-        n_t = chunk.target_rows
-        inputs = torch.cat(
-            drafts,
-            out=scratch.take('inputs', (out.shape[0] - n_t, drafts[0].shape[1]), products.weight.dtype, out.device),
-        )
-        products.logits(inputs, out[n_t:])
-        source = _target_logit_rows(self.main, chunk, products, scratch, out[:n_t], self.read_in_place)
-        return inputs, source
-
-
-class NoTarget:
-    """Target source without target rows (a loss against the labels)."""
-
-    has_target = False
-
-    def logits(self, chunk: Chunk, drafts: List[torch.Tensor], products: Products,
-               scratch: Scratch, out: torch.Tensor):
-        inputs = torch.cat(
-            drafts, out=scratch.take('inputs', (out.shape[0], drafts[0].shape[1]), products.weight.dtype, out.device),
-        )
-        products.logits(inputs, out)
+def _chunk_logits(target, plan: SweepPlan, chunk: Chunk, drafts: List[torch.Tensor],
+                  products: Products, scratch: Scratch, out: torch.Tensor):
+    """Writes the chunk's target rows' then its draft rows' logits into ``out``; returns ``(draft
+    inputs [G*n, h], target rows the row ops read in place or None)``. Target rows are projected
+    with the draft rows in one product (``target`` the main hidden states) or read from the main
+    head's ``[s, b, V/tp]`` logits (``plan.target_is_logits``)."""
+    n_t, h = chunk.target_rows, drafts[0].shape[1]
+    own_projection = target is not None and not plan.target_is_logits
+    pieces = [_target_hidden_rows(target, run) for run in chunk.target_runs()] if own_projection else []
+    first = 0 if own_projection else n_t  # the first row of out this product writes
+    rows = torch.cat(pieces + drafts, out=scratch.take(
+        'inputs', (out.shape[0] - first, h), products.weight.dtype, out.device))
+    products.logits(rows, out[first:])
+    inputs = rows[n_t - first:]
+    if own_projection or target is None:
         return inputs, None
-
-
-def target_source(target: Optional[torch.Tensor], plan: SweepPlan):
-    if target is None:
-        return NoTarget()
-    if not plan.target_is_logits:
-        return OwnProjection(target)
-    read_in_place = (
-        plan.logits_fn is None and plan.options.inv_temperature == 1.0
-        and target.dtype == torch.float32
-    )
-    return MainLogits(target, read_in_place)
+    # Read in place where the row ops would only copy them: fp32, no logit function or temperature.
+    read_in_place = (plan.logits_fn is None and plan.options.inv_temperature == 1.0
+                     and target.dtype == torch.float32)
+    return inputs, _target_logit_rows(target, chunk, products, scratch, out[:n_t], read_in_place)
 
 
 class DenseGradients:
@@ -201,8 +155,8 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
     G, s, b, h = draft_hidden.shape
     options, device, layout = plan.options, draft_hidden.device, plan.layout
     loss_fn, inv_temperature = options.loss, options.inv_temperature
-    source = target_source(target, plan)
-    out = _Results(G, layout.count, b, device, source.has_target)
+    has_target = target is not None
+    out = _Results(G, layout.count, b, device, has_target)
     # Per-token tensors in the layout's rows: weight 0 (and no label) where a row has no draft.
     token_weights = layout.to_rows(token_weights, dim=token_weights.dim() - 2)
     labels = layout.to_rows(plan.labels, dim=1, fill=-1) if plan.labels is not None else None
@@ -215,20 +169,20 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
     one_pass_grad = sink is not None and loss_fn.row_local and group_size(plan.tp_group) == 1
     want_dot = sink is not None and loss_fn.tv_grad
 
-    for chunk in chunks(layout, plan.rows_per_chunk, b, G, source.has_target):
+    for chunk in chunks(layout, plan.rows_per_chunk, b, G, has_target):
         n = chunk.tokens
         raw = scratch.take('logits', (chunk.target_rows + G * n, weight.shape[0]), torch.float32, device)
         drafts = [piece for k in range(G) for piece in chunk.drafts(draft_hidden[k])]
-        inputs, in_place_rows = source.logits(chunk, drafts, products, scratch, raw)
+        inputs, in_place_rows = _chunk_logits(target, plan, chunk, drafts, products, scratch, raw)
         z = _scaled_logits(raw, plan)  # row ops overwrite it; raw stays for the chain rule
-        ops = ops or row_ops_for(z, options.kernels)[0]
+        ops = ops or row_ops_for(z, options.kernels)
         label_logits = _label_logits(z, chunk, labels, vocab) if labels is not None else None
 
         # Collective 1: the normalisers (and argmax) of the target rows and every depth's rows.
         probs, stats = ops.normalise_(z, plan.tp_group, vocab[0] if options.metrics else None, source=in_place_rows)
         pairs = [(ops.rows(probs, t.start, t.stop), ops.rows(probs, r.start, r.stop))
                  for t, r in ((chunk.target_of(k), chunk.draft_rows(k)) for k in range(G))
-                 if source.has_target]
+                 if has_target]
         w = token_weights[chunk.span].reshape(n) if loss_fn.per_chain else token_weights[:, chunk.span].reshape(G, n)
 
         # Collective 2: every depth's overlap and, as needed, dot product, KL and label logits.

@@ -1,19 +1,8 @@
-"""Megatron's parsed arguments and the model configs that are not built from them (training side).
+"""The training side: Megatron's parsed arguments onto the configs of the models it built.
 
-Megatron's own path builds the model config with ``core_transformer_config_from_args``, which
-copies every same-named argument, so ``--mtp-loss-type tv`` reaches the model. A Megatron-Bridge
-provider (a ``TransformerConfig`` subclass that ``AutoBridge.to_megatron_provider()`` fills from a
-Hugging Face config) is not built that way: miles' bridge mode (``--megatron-to-hf-mode bridge``)
-copies a fixed list of arguments onto it (parallelism, recompute, fp8, ...) and none of this
-package's. :func:`apply_mtp_loss_args` closes that gap where Megatron builds its models
-(``megatron/training/training.py::get_model``, which ``pretrain_gpt.py`` and miles call): a Bridge
-provider takes the MTP loss fields the arguments ask for, and any other config that holds a
-different value stops the run with a ``ValueError`` naming both, so a flag is never parsed and then
-silently dropped. The loss reads its fields at every call, so a field set on a built model's config
-takes effect.
-
-This module belongs to the training side: patches install it as ``megatron/training/mtp_tv_args.py``
-(nothing under ``megatron/core`` imports it), the plugin calls it from its own hooks.
+A Megatron-Bridge provider is not built by ``core_transformer_config_from_args``: it takes the MTP
+loss fields the arguments ask for here, and any other config that holds a different value stops
+the run (docs/megatron_bridge.md). Patches install this module as ``megatron/training/mtp_tv_args.py``.
 """
 
 import dataclasses
@@ -97,13 +86,9 @@ def check_megatron_args(config, args) -> None:
         held = ', '.join(f'{n}={h!r}' for n, (_, h) in wrong.items())
         raise ValueError(
             f"Megatron's arguments ask for {asked}, but the model's config "
-            f'({type(config).__name__}) holds {held}, so the MTP loss would not be the one asked '
-            'for. The config was not built from these arguments (core_transformer_config_from_args '
-            'copies them; a Megatron-Bridge provider takes them once the model is built by '
-            "Megatron's get_model, or in plugin mode in finalize() once megatron.mtp_tv.install() "
-            "and Megatron's set_args have run), or a field was assigned after construction. Set "
-            "the same values on the config where it is built (e.g. provider.mtp_loss_type = 'tv' "
-            'before provider.finalize()), or drop the flags.'
+            f'({type(config).__name__}) holds {held}: it was not built from these arguments, or a '
+            'field was assigned after construction. Set the same values where the config is built '
+            "(e.g. provider.mtp_loss_type = 'tv' before provider.finalize()), or drop the flags."
         )
 
 

@@ -31,10 +31,19 @@ def shipped_modules() -> Dict[str, str]:
         rel = path.relative_to(PACKAGE_DIR)
         if rel.name in NOT_SHIPPED or '__pycache__' in rel.parts:
             continue
-        text = path.read_text()
+        text = _without_plugin_only(path.read_text(), rel.as_posix())
         _check_relocatable(rel.as_posix(), text)
         out[rel.as_posix()] = text
     return out
+
+
+def _without_plugin_only(text: str, rel: str) -> str:
+    """``text`` less its ``# BEGIN PLUGIN ONLY`` .. ``# END PLUGIN ONLY`` block (and the blank
+    lines before it): code that only the plugin's copy of the package has."""
+    begin, end = text.count('# BEGIN PLUGIN ONLY'), text.count('# END PLUGIN ONLY')
+    if (begin, end) not in ((0, 0), (1, 1)):
+        raise PatchError(f'megatron/mtp_tv/{rel}: unbalanced PLUGIN ONLY markers')
+    return re.sub(r'\n*^# BEGIN PLUGIN ONLY.*?^# END PLUGIN ONLY\n', '\n', text, flags=re.S | re.M)
 
 
 def new_files() -> Dict[str, str]:
