@@ -11,6 +11,8 @@ before any test module is imported, and by ``tools/verify_patched_tree.py``):
   ``megatron.mtp_tv.training_args`` the tree's ``megatron.training.mtp_tv_args``, so tests written
   against ``megatron.mtp_tv`` exercise the code the patch installed, never this checkout's
   copy of the package;
+* makes ``megatron.mtp_tv.fields`` this checkout's (the plugin's field definitions, which the
+  patch wrote into the tree's ``TransformerConfig``: what the tree is checked against);
 * leaves ``mtp_tv_dev`` (test and demo support, never shipped) as it is: this checkout's.
 
 The tree's package has no plugin module (nor ``install()``): here ``install()`` is a no-op and
@@ -21,6 +23,7 @@ Tests that only make sense for the plugin are marked ``@pytest.mark.plugin_only`
 """
 
 import importlib
+import importlib.util
 import os
 import pkgutil
 import sys
@@ -67,6 +70,13 @@ def activate() -> Path:
         sys.modules[f'megatron.mtp_tv.{info.name}'] = module
     # The training side's module the patch installs under megatron/training.
     sys.modules['megatron.mtp_tv.training_args'] = importlib.import_module(TRAINING_MODULE)
+    # The plugin's field definitions, which the patch wrote into the tree's TransformerConfig:
+    # this checkout's, what the tree is checked against.
+    spec = importlib.util.spec_from_file_location(
+        'megatron.mtp_tv.fields', Path(__file__).resolve().parents[1] / 'megatron/mtp_tv/fields.py')
+    fields = importlib.util.module_from_spec(spec)
+    sys.modules['megatron.mtp_tv.fields'] = fields
+    spec.loader.exec_module(fields)
     return tree
 
 

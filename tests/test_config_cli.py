@@ -10,7 +10,7 @@ import torch
 import megatron.mtp_tv
 from megatron.mtp_tv.config import MTP_LOSS_TYPES
 from megatron.mtp_tv.row_ops import ROW_KERNELS
-from megatron.mtp_tv.config import field_docstrings
+from megatron.mtp_tv.fields import MTPLossConfig, field_docstrings
 
 megatron.mtp_tv.install()
 
@@ -84,7 +84,7 @@ def _megatron_parser():
 
 def test_flags_come_from_megatrons_argument_factory_with_help():
     actions = _megatron_parser()
-    docs = field_docstrings(megatron.mtp_tv.MTPLossConfig)
+    docs = field_docstrings(MTPLossConfig)
     loss_type = actions['mtp_loss_type']
     assert loss_type.option_strings == ['--mtp-loss-type']
     assert tuple(loss_type.choices) == MTP_LOSS_TYPES
@@ -95,7 +95,7 @@ def test_flags_come_from_megatrons_argument_factory_with_help():
         assert actions[name].option_strings == ['--' + name.replace('_', '-')]
         assert actions[name].type is float
     assert tuple(actions['mtp_tv_kernels'].choices) == ROW_KERNELS  # the row ops' own list
-    for name in (f.name for f in dataclasses.fields(megatron.mtp_tv.MTPLossConfig)):
+    for name in (f.name for f in dataclasses.fields(MTPLossConfig)):
         assert actions[name].help == ' '.join(docs[name].split()) and len(docs[name]) > 40
 
 
@@ -143,7 +143,7 @@ def test_the_fields_are_the_settings_a_user_makes():
     """Seven fields: the loss, its chunk, temperature and hyper-parameter, the row kernels, the
     metrics with 'ce' and the chunked 'ce'. Where the target comes from (the main logits where
     the model has them) and how backward runs are the loss's own business, not settings."""
-    assert [f.name for f in dataclasses.fields(megatron.mtp_tv.MTPLossConfig)] == [
+    assert [f.name for f in dataclasses.fields(MTPLossConfig)] == [
         'mtp_loss_type', 'mtp_tv_chunk', 'mtp_tv_temperature', 'mtp_lk_eta', 'mtp_tv_kernels',
         'mtp_log_acceptance', 'mtp_ce_chunked']
 

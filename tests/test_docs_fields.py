@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import megatron.mtp_tv
-from megatron.mtp_tv.config import MTPLossConfig
+from megatron.mtp_tv.fields import MTPLossConfig
 
 megatron.mtp_tv.install()
 

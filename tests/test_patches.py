@@ -86,13 +86,15 @@ def _fork_files(target):
     return files
 
 
-def _change_the_package(monkeypatch, tmp_path, *, config_py=lambda text: text, new_modules=()):
+def _change_the_package(monkeypatch, tmp_path, *, config_py=lambda text: text,
+                        fields_py=lambda text: text, new_modules=()):
     """Point the generator at a copy of megatron/mtp_tv changed as the package's owners change it:
-    ``config_py`` rewrites config.py, ``new_modules`` are added (empty files of those names)."""
+    ``config_py`` and ``fields_py`` rewrite config.py and fields.py, ``new_modules`` are added
+    (empty files of those names)."""
     copy = tmp_path / 'mtp_tv'
     shutil.copytree(package.PACKAGE_DIR, copy, ignore=shutil.ignore_patterns('__pycache__'))
-    config = copy / 'config.py'
-    config.write_text(config_py(config.read_text()))
+    for name, rewrite in (('config.py', config_py), ('fields.py', fields_py)):
+        (copy / name).write_text(rewrite((copy / name).read_text()))
     for name in new_modules:
         (copy / name).write_text('"""New."""\n')
     monkeypatch.setattr(package, 'PACKAGE_DIR', copy)
@@ -114,7 +116,7 @@ def test_stale_package_file_is_detected(monkeypatch, tmp_path):
 def test_stale_field_docstring_is_detected(monkeypatch, tmp_path):
     target = targets.TARGETS['miles-main-20260819-235952df6']
     text = target.patch_path.read_text()
-    _change_the_package(monkeypatch, tmp_path, config_py=_edit_a_field_docstring)
+    _change_the_package(monkeypatch, tmp_path, fields_py=_edit_a_field_docstring)
     problems = offline.check_offline(target, text)
     assert any('transformer_config.py: added lines differ' in p for p in problems), problems
 
@@ -129,7 +131,7 @@ def test_shipped_modules_are_relocatable_and_plugin_only_ones_stay_out():
 
 
 def test_fields_block_is_the_config_dataclass_body():
-    from megatron.mtp_tv.config import MTPLossConfig
+    from megatron.mtp_tv.fields import MTPLossConfig
     import dataclasses
 
     block = package.fields_block()
@@ -144,7 +146,7 @@ def test_offline_regeneration_equals_full_regeneration(monkeypatch, tmp_path):
     target = targets.TARGETS['megatron-core-0.19.2']
     committed = target.patch_path.read_text()
     files = sources.files_0192()
-    _change_the_package(monkeypatch, tmp_path, config_py=_edit_a_field_docstring,
+    _change_the_package(monkeypatch, tmp_path, fields_py=_edit_a_field_docstring,
                         new_modules=['zz_new.py'])
     assert offline.check_offline(target, committed)  # stale now
     assert offline.regenerate_offline(target, committed) == render.render_patch(target, files)
@@ -157,17 +159,19 @@ def test_offline_regeneration_equals_full_regeneration_on_forks(name, monkeypatc
     target = targets.TARGETS[name]
     files = _fork_files(target)
     committed = target.patch_path.read_text()
-    _change_the_package(monkeypatch, tmp_path, config_py=_edit_a_field_docstring,
+    _change_the_package(monkeypatch, tmp_path, fields_py=_edit_a_field_docstring,
                         new_modules=['zz_new.py'])
     assert offline.regenerate_offline(target, committed) == render.render_patch(target, files)
 
 
 def test_every_config_field_is_in_every_patch():
     """make_patches takes every field of MTPLossConfig (no list of names to keep in step)."""
-    from megatron.mtp_tv.config import MTPLossConfig
+    from megatron.mtp_tv.config import MTP_LOSS_FIELDS
+    from megatron.mtp_tv.fields import MTPLossConfig
 
     names = [f.name for f in dataclasses.fields(MTPLossConfig)]
     assert package.field_names() == tuple(names)
+    assert set(MTP_LOSS_FIELDS) == set(names)  # every field is validated (config.py)
     for name, target in sorted(targets.TARGETS.items()):
         text = target.patch_path.read_text()
         header = text.split('diff --git', 1)[0]
@@ -189,7 +193,8 @@ def test_an_already_patched_config_is_refused_whatever_the_field():
 def test_patched_dispatch_asks_the_package_which_code_computes_the_loss():
     """Every patch dispatches with the shipped ``runs_megatron_ce`` (both cross-entropy names on
     Megatron's code, unless mtp_ce_chunked), never with a comparison of its own."""
-    from megatron.mtp_tv.config import CROSS_ENTROPY_NAMES, MTPLossConfig, runs_megatron_ce
+    from megatron.mtp_tv.config import CROSS_ENTROPY_NAMES, runs_megatron_ce
+    from megatron.mtp_tv.fields import MTPLossConfig
 
     for loss_type in CROSS_ENTROPY_NAMES:
         assert runs_megatron_ce(MTPLossConfig(mtp_loss_type=loss_type))

@@ -7,6 +7,7 @@ from typing import get_args, get_type_hints
 import pytest
 
 from megatron.mtp_tv import config
+from megatron.mtp_tv.fields import MTPLossConfig
 from megatron.mtp_tv.losses import LOSSES, DraftLoss, loss_from_config, make_loss
 from mtp_tv_dev import reference
 
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_mtp_loss_type_choices_are_cross_entropy_then_the_registry():
     assert config.MTP_LOSS_TYPES == config.CROSS_ENTROPY_NAMES + tuple(LOSSES)
     # The Literal is spelled out in the field (the patches copy its source); it must agree.
-    literal = get_type_hints(config.MTPLossConfig)['mtp_loss_type']
+    literal = get_type_hints(MTPLossConfig)['mtp_loss_type']
     assert get_args(literal) == config.MTP_LOSS_TYPES
 
 
@@ -29,14 +30,14 @@ def test_every_registered_loss_is_a_named_draft_loss_with_a_float64_reference():
 
 
 def test_hyperparameters_are_config_fields_read_by_loss_from_config():
-    fields = {f for f in config.MTPLossConfig.__dataclass_fields__}
+    fields = {f for f in MTPLossConfig.__dataclass_fields__}
     for name, cls in LOSSES.items():
         for arg, field in cls.config_fields.items():
             assert field in fields, (name, field)
-            default = config.MTPLossConfig.__dataclass_fields__[field].default
-            built = loss_from_config(config.MTPLossConfig(mtp_loss_type=name, **{field: default}))
+            default = MTPLossConfig.__dataclass_fields__[field].default
+            built = loss_from_config(MTPLossConfig(mtp_loss_type=name, **{field: default}))
             assert getattr(built, arg) == default
-    lk = loss_from_config(config.MTPLossConfig(mtp_loss_type='lk', mtp_lk_eta=0.5))
+    lk = loss_from_config(MTPLossConfig(mtp_loss_type='lk', mtp_lk_eta=0.5))
     assert lk.eta == 0.5
 
 

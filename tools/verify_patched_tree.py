@@ -9,7 +9,7 @@ Everything runs in a child process with only the tree on ``PYTHONPATH`` for Mega
 is not installed; ``megatron.mtp_tv`` resolves to the tree's ``megatron.core.transformer.mtp_tv``,
 see mtp_tv_dev/patch_mode.py; only the CPU test support comes from this checkout):
 
-1. ``TransformerConfig`` has every field of the tree's ``MTPLossConfig`` natively and validates
+1. ``TransformerConfig`` has every field of ``MTPLossConfig`` (fields.py) natively and validates
    them, and the tree's
    ``pyproject.toml`` package list includes ``megatron.core.transformer.mtp_tv`` (so a pip install
    of the patched tree carries it); ``GPTModel._postprocess`` has
@@ -101,7 +101,9 @@ def _child(tree: Path) -> dict:
     import dataclasses
 
     fields = TransformerConfig.__dataclass_fields__
-    names = [f.name for f in dataclasses.fields(megatron.mtp_tv.config.MTPLossConfig)]
+    from megatron.mtp_tv.fields import MTPLossConfig
+
+    names = [f.name for f in dataclasses.fields(MTPLossConfig)]
     assert names and all(f in fields for f in names), (names, 'not all native')
     results['native_fields'] = names
     try:

@@ -2,17 +2,20 @@
 
 __version__ = '0.1.0'
 
-from .config import MTP_LOSS_TYPES, MTPLossConfig, validate_mtp_loss_config
+from .config import MTP_LOSS_TYPES, validate_mtp_loss_config
 from .linear_tv import TargetSegment, TVLossResult, linear_tv_loss
 from .options import MTPLossOptions
 
 __all__ = [
-    'MTP_LOSS_TYPES', 'MTPLossConfig', 'MTPLossOptions', 'TVLossResult', 'TargetSegment',
+    'MTP_LOSS_TYPES', 'MTPLossOptions', 'TVLossResult', 'TargetSegment',
     'linear_tv_loss', 'validate_mtp_loss_config',
 ]
 
 
 # BEGIN PLUGIN ONLY: the patches leave this out (a patched tree has the feature in its source).
+from .fields import MTPLossConfig  # noqa: E402
+
+
 def install() -> None:
     """Installs the plugin into this process's megatron-core (idempotent)."""
     from .plugin import install as _install
@@ -27,5 +30,5 @@ def is_installed() -> bool:
     return _is_installed()
 
 
-__all__ += ['install', 'is_installed']
+__all__ += ['MTPLossConfig', 'install', 'is_installed']
 # END PLUGIN ONLY

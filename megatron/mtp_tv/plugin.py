@@ -2,7 +2,7 @@
 
 :func:`install` does six things, each idempotent:
 
-1. adds the fields of :class:`~megatron.mtp_tv.config.MTPLossConfig` to ``TransformerConfig`` and
+1. adds the fields of :class:`~megatron.mtp_tv.fields.MTPLossConfig` to ``TransformerConfig`` and
    every already-imported dataclass subclass (re-running ``dataclasses.dataclass`` on them, so
    ``__init__``, ``fields()`` and hence Megatron's ``ArgumentGroupFactory`` and
    ``core_transformer_config_from_args`` see them), and validates them in ``__post_init__``;
@@ -37,6 +37,7 @@ from typing import Callable, Dict, List
 import torch
 
 from . import config as _config
+from .fields import MTPLossConfig, field_docstrings
 
 _lock = threading.Lock()
 _installed = False
@@ -267,9 +268,9 @@ def add_config_fields(base: type) -> None:
     """Add the MTP loss fields to dataclass ``base`` and its dataclass subclasses."""
     if _has_fields(base):
         return
-    docs = _config.field_docstrings(_config.MTPLossConfig)
+    docs = field_docstrings(MTPLossConfig)
     annotations = base.__dict__['__annotations__']  # a dataclass always has its own
-    for f in dataclasses.fields(_config.MTPLossConfig):
+    for f in dataclasses.fields(MTPLossConfig):
         annotations[f.name] = f.type
         # Megatron's ArgumentGroupFactory reads help text from the class source, which does not
         # contain these fields: hand it over through the metadata it also honours.
@@ -283,7 +284,7 @@ def add_config_fields(base: type) -> None:
 
 
 def _has_fields(cls: type) -> bool:
-    return all(f.name in cls.__dataclass_fields__ for f in dataclasses.fields(_config.MTPLossConfig))
+    return all(f.name in cls.__dataclass_fields__ for f in dataclasses.fields(MTPLossConfig))
 
 
 def _dataclass_subclasses(base: type) -> List[type]:

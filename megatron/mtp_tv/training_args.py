@@ -5,13 +5,18 @@ loss fields the arguments ask for here, and any other config that holds a differ
 the run (docs/megatron_bridge.md). Patches install this module as ``megatron/training/mtp_tv_args.py``.
 """
 
-import dataclasses
 import sys
 from typing import Dict, Iterable
 
-from .config import MTPLossConfig, is_cross_entropy, validate_mtp_loss_config
+from .config import MTP_LOSS_FIELDS, is_cross_entropy, validate_mtp_loss_config
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MTPLossConfig)}
+
+def _defaults() -> Dict[str, object]:
+    """The MTP loss fields' defaults, as ``TransformerConfig`` declares them."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = TransformerConfig.__dataclass_fields__.values()
+    return {f.name: f.default for f in fields if f.name in MTP_LOSS_FIELDS}
 
 
 def apply_mtp_loss_args(model: Iterable, args) -> None:
@@ -36,7 +41,7 @@ def requested_fields(args) -> Dict[str, object]:
     """The MTP loss fields that ``args`` hold with a value other than the field's default."""
     return {
         name: getattr(args, name)
-        for name, default in _DEFAULTS.items()
+        for name, default in _defaults().items()
         if hasattr(args, name) and not _same(name, getattr(args, name), default)
     }
 
@@ -58,9 +63,10 @@ def carry_to_bridge_provider(config, args) -> None:
     """
     if args is None or not is_bridge_provider(config):
         return
+    defaults = _defaults()
     for name, value in requested_fields(args).items():
-        held = getattr(config, name, _DEFAULTS[name])
-        if not _same(name, held, _DEFAULTS[name]) and not _same(name, held, value):
+        held = getattr(config, name, defaults[name])
+        if not _same(name, held, defaults[name]) and not _same(name, held, value):
             raise ValueError(
                 f'{type(config).__name__}.{name}={held!r}, but Megatron\'s arguments ask for '
                 f'{_flag(name)} {value!r}; set one of them, or both to the same value.'
@@ -76,10 +82,11 @@ def check_megatron_args(config, args) -> None:
     """
     if args is None:
         return
+    defaults = _defaults()
     wrong = {
-        name: (value, getattr(config, name, _DEFAULTS[name]))
+        name: (value, getattr(config, name, defaults[name]))
         for name, value in requested_fields(args).items()
-        if not _same(name, getattr(config, name, _DEFAULTS[name]), value)
+        if not _same(name, getattr(config, name, defaults[name]), value)
     }
     if wrong:
         asked = ', '.join(f'{_flag(n)} {v!r}' for n, (v, _) in wrong.items())

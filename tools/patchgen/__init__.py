@@ -11,9 +11,10 @@ What a patch does to a Megatron tree (the same changes :mod:`megatron.mtp_tv.plu
 time, written into the source so the feature is native there):
 
 * ``megatron/core/transformer/mtp_tv/``: every module of ``megatron/mtp_tv`` except the
-  plugin-only ones and the training side's (:data:`NOT_SHIPPED`: ``plugin.py``, the launcher,
-  the start-up hook, ``training_args.py``), byte for byte: the package imports itself relatively,
-  so the same files work under both names;
+  plugin-only ones and the training side's (:data:`NOT_SHIPPED`: ``plugin.py``, ``fields.py``,
+  the launcher, the start-up hook, ``training_args.py``), byte for byte but for their ``# BEGIN
+  PLUGIN ONLY`` blocks: the package imports itself relatively, so the same files work under both
+  names;
 * ``transformer_config.py``: the annotated fields between ``# BEGIN MTP_TV FIELDS`` and
   ``# END MTP_TV FIELDS`` of ``megatron/mtp_tv/config.py``, copied verbatim (docstrings included,
   so the tree's ``ArgumentGroupFactory`` makes ``--mtp-loss-type`` & co.) after the tree's last

@@ -18,7 +18,7 @@ from .layout import REPO, TARGET_MODULE, TARGET_PACKAGE, TRAINING_MODULE_FILE, P
 PACKAGE_DIR = REPO / 'megatron' / 'mtp_tv'
 #: Package files that only make sense for the plugin and are not shipped: a patched tree has the
 #: feature in its own source (``install()`` is a no-op there).
-NOT_SHIPPED = ('launch.py', 'plugin.py', 'startup_hook.py', 'training_args.py')
+NOT_SHIPPED = ('fields.py', 'launch.py', 'plugin.py', 'startup_hook.py', 'training_args.py')
 #: Package modules of the training side: a patch installs each at the tree path given (nothing
 #: under megatron/core imports them), its relative imports of the package made absolute.
 TRAINING_SIDE = {'training_args.py': TRAINING_MODULE_FILE}
@@ -77,11 +77,11 @@ def _check_relocatable(rel: str, text: str) -> None:
 
 
 def fields_block() -> str:
-    """The field definitions of ``MTPLossConfig``, as they appear in config.py (4-space body)."""
-    text = (PACKAGE_DIR / 'config.py').read_text()
+    """The field definitions of ``MTPLossConfig``, as they appear in fields.py (4-space body)."""
+    text = (PACKAGE_DIR / 'fields.py').read_text()
     match = re.search(r'^# BEGIN MTP_TV FIELDS.*?\n(.*?)^# END MTP_TV FIELDS', text, re.S | re.M)
     if not match:
-        raise PatchError('megatron/mtp_tv/config.py has no BEGIN/END MTP_TV FIELDS block')
+        raise PatchError('megatron/mtp_tv/fields.py has no BEGIN/END MTP_TV FIELDS block')
     block = match.group(1)
     cls = next(n for n in ast.parse(block).body if isinstance(n, ast.ClassDef))
     body = cls.body
