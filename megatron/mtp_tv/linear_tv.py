@@ -116,32 +116,25 @@ def _check_shapes(draft_hidden, target_hidden, weight, token_weights, options: M
     if draft_hidden.dim() != 4:
         raise ValueError(f"draft_hidden must be [G, s, b, h], got shape {tuple(draft_hidden.shape)}.")
     G, s, b, h = draft_hidden.shape
-    if target_logits is not None:
-        if tuple(target_logits.shape) != (s, b, weight.shape[0]):
-            raise ValueError(
-                f"target_logits shape {tuple(target_logits.shape)} does not match "
-                f"[s, b, V/tp] = {(s, b, weight.shape[0])}."
-            )
-    elif target_hidden is None and not loss.needs_target:
-        if options.metrics:
-            raise ValueError(f"metrics compare with a target: {loss.name!r} was given none.")
-    elif target_hidden is None or target_hidden.shape != (s, b, h):
-        raise ValueError(
-            f"target_hidden shape {tuple(target_hidden.shape) if target_hidden is not None else None} "
-            f"does not match draft positions [s, b, h] = {(s, b, h)}."
-        )
     if weight.dim() != 2 or weight.shape[1] != h:
         raise ValueError(f"weight must be [V/tp, {h}], got shape {tuple(weight.shape)}.")
-    expected = (s, b) if loss.per_chain else (G, s, b)
-    if tuple(token_weights.shape) != expected:
-        raise ValueError(
-            f"token_weights for {loss.name!r} must have shape {expected}, "
-            f"got {tuple(token_weights.shape)}."
-        )
-    if labels is not None and tuple(labels.shape) != (G, s, b):
-        raise ValueError(f"labels must have shape {(G, s, b)}, got {tuple(labels.shape)}.")
-    if loss.needs_labels and labels is None:
+    if target_logits is not None:
+        _check_shape('target_logits', target_logits, (s, b, weight.shape[0]))
+    elif target_hidden is not None or loss.needs_target:
+        _check_shape('target_hidden', target_hidden, (s, b, h))
+    elif options.metrics:
+        raise ValueError(f"metrics compare with a target: {loss.name!r} was given none.")
+    _check_shape(f'token_weights for {loss.name!r}', token_weights, (s, b) if loss.per_chain else (G, s, b))
+    if labels is not None:
+        _check_shape('labels', labels, (G, s, b))
+    elif loss.needs_labels:
         raise ValueError(f"the {loss.name!r} loss is against the labels: labels are required.")
+
+
+def _check_shape(name: str, tensor: Optional[torch.Tensor], expected) -> None:
+    got = tuple(tensor.shape) if tensor is not None else None
+    if got != tuple(expected):
+        raise ValueError(f"{name} shape {got} does not match {tuple(expected)}.")
 
 
 class _ResultSlot:

@@ -1,6 +1,6 @@
 """Acceptance metrics in Megatron's MTP tracker, next to ``mtp_{i} loss`` (docs/metrics.md)."""
 
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.distributed as dist
@@ -18,27 +18,21 @@ def expected_accepted(alpha: torch.Tensor) -> torch.Tensor:
     return alpha.cumprod(0).sum(0)
 
 
-def save_acceptance_to_tracker(
-    alpha: Optional[torch.Tensor],
-    masks: torch.Tensor,
-    greedy_correct: Optional[torch.Tensor],
-    avg_group=None,
-    log_loss: bool = True,
-    greedy_agreement: Optional[torch.Tensor] = None,
-    per_depth_loss: Optional[torch.Tensor] = None,
-) -> None:
-    """Adds one micro-batch's ``[D, s, b]`` statistics to Megatron's MTP tracker."""
+def save_acceptance_to_tracker(result, masks: torch.Tensor, avg_group=None, log_loss: bool = True) -> None:
+    """Adds one training micro-batch's statistics to Megatron's MTP tracker.
+
+    Args:
+        result: its :class:`~.linear_tv.TVLossResult` (``[D, s, b]`` per-token values; greedy
+            hits against the labels, and alpha and greedy agreement where it has a target).
+        masks: ``[D, s, b]`` loss masks.
+        log_loss: also log each depth's mean objective and greedy accuracy as ``mtp_{k} loss``.
+    """
     depth = masks.shape[0]
     masks = masks.float()
     count = masks.sum(dim=(1, 2))
     if log_loss:
-        per_token = per_depth_loss if per_depth_loss is not None else 1.0 - alpha
-        loss_mean = (per_token * masks).sum(dim=(1, 2)) / count.clamp(min=1)
-        correct = (
-            (greedy_correct & masks.bool()).sum(dim=(1, 2)).float()
-            if greedy_correct is not None
-            else torch.zeros_like(count)
-        )
+        loss_mean = (result.per_depth * masks).sum(dim=(1, 2)) / count.clamp(min=1)
+        correct = (result.greedy_correct & masks.bool()).sum(dim=(1, 2)).float()
         helper = _mtp.MTPLossLoggingHelper
         for k in range(depth):
             if hasattr(helper, 'save_metrics_to_tracker'):
@@ -47,13 +41,13 @@ def save_acceptance_to_tracker(
                 )
             else:  # trees without greedy-acceptance logging (radixark miles-main)
                 helper.save_loss_to_tracker(loss_mean[k], k, depth, avg_group=avg_group)
-    if alpha is None:
+    alpha = result.alpha
+    if alpha is None:  # cross-entropy without the acceptance metrics
         return
-    alpha_sum = (alpha * masks).sum(dim=(1, 2))
-    agree = greedy_agreement.float() if greedy_agreement is not None else torch.zeros_like(alpha)
+    agree = result.greedy_agreement.float()
     chains = masks.prod(dim=0)
     stats = torch.cat([
-        alpha_sum, count, (agree * masks).sum(dim=(1, 2)),
+        (alpha * masks).sum(dim=(1, 2)), count, (agree * masks).sum(dim=(1, 2)),
         torch.stack([
             (expected_accepted(alpha) * chains).sum(),
             (expected_accepted(agree) * chains).sum(),

@@ -212,9 +212,7 @@ def _mtp_tv_loss(main_hidden, draft_hidden, main_logits, labels, loss_mask, outp
     )
     if is_training:
         save_acceptance_to_tracker(
-            alpha=result.alpha, masks=rolled.masks.transpose(1, 2),
-            greedy_correct=result.greedy_correct, greedy_agreement=result.greedy_agreement,
-            per_depth_loss=result.per_depth,
+            result, rolled.masks.transpose(1, 2),
             avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
             log_loss=not metrics_only,
         )
