@@ -217,7 +217,7 @@ def edit_gpt(text: str) -> Editor:
     if not projections:
         raise PatchError(f'{GPT_FILE}: GPTModel._postprocess has no `logits, _ = self.output_layer(...)`')
     for statement in projections:
-        ed.insert(statement.end_lineno, snippet_attach(statement.col_offset, facts.process_mtp_loss_call))
+        ed.insert(statement.end_lineno, snippet_attach(statement.col_offset))
     return ed
 
 

@@ -18,6 +18,9 @@ GPT_IMPORTS = ('attach_mtp_tv_loss', 'mtp_loss_follows_main_logits', 'split_mtp_
 #: The local of the patched ``_postprocess`` that holds the drafts' hidden states, split off
 #: for the MTP loss on the main logits (None otherwise).
 DRAFTS_VAR = 'mtp_tv_drafts'
+#: The local that holds the MTP loss's keyword arguments (``process_mtp_loss``'s but the hidden
+#: states), for both places the loss can run.
+KWARGS_VAR = 'mtp_tv_kwargs'
 #: The indentation of ``_postprocess``'s ``hidden_states = process_mtp_loss(...)`` statement,
 #: and of that call's keyword arguments (one per line).
 CALL_INDENT = ' ' * 16
@@ -130,34 +133,29 @@ def snippet_process_mtp_loss_call(call: Sequence[Tuple[str, str]]) -> List[str]:
 
 
 def snippet_wrapped_call(call: Sequence[Tuple[str, str]], output_processor: bool) -> List[str]:
-    """That statement under an ``else:``: a loss that runs on the main logits only splits the
-    hidden states here."""
+    """What replaces that statement: its arguments held once (``KWARGS_VAR``), for
+    ``process_mtp_loss`` there or for the MTP loss on the main logits below, in which case the
+    hidden states are only split there."""
     return [
-        f'{CALL_INDENT}# mtp_tv: a loss on the main logits below only splits the hidden states here',
+        f'{CALL_INDENT}# mtp_tv: the MTP loss arguments, for process_mtp_loss here or for the loss on',
+        f'{CALL_INDENT}# the main logits below (then the hidden states are only split here)',
+        f'{CALL_INDENT}{KWARGS_VAR} = dict(',
+        *[f'{CALL_KWARG_INDENT}{k}={v},' for k, v in call if k != 'hidden_states'],
+        f'{CALL_INDENT})',
         f'{CALL_INDENT}if {_follows(output_processor)}:',
         *_split(CALL_INDENT + '    '),
         f'{CALL_INDENT}else:',
-        *['    ' + line for line in snippet_process_mtp_loss_call(call)],
+        f'{CALL_INDENT}    hidden_states = process_mtp_loss(hidden_states=hidden_states, **{KWARGS_VAR})',
     ]
 
 
-def snippet_attach(indent: int, call: Sequence[Tuple[str, str]]) -> List[str]:
+def snippet_attach(indent: int) -> List[str]:
     """After each ``logits, _ = self.output_layer(...)`` of ``_postprocess``: the MTP loss on
-    those logits (its target), attached to them; ``call`` as ``process_mtp_loss``'s (empty: the
-    inline branch's ``mtp_tv_kwargs``)."""
+    those logits (its target), attached to them, with the arguments held in ``KWARGS_VAR``."""
     pad = ' ' * indent
-    head = f'{pad}if {DRAFTS_VAR} is not None:  # mtp_tv: the MTP loss against these main logits'
-    if not call:
-        return [head, f'{pad}    logits = attach_mtp_tv_loss(logits, hidden_states, {DRAFTS_VAR}, '
-                      '**mtp_tv_kwargs)']
     return [
-        head,
-        f'{pad}    logits = attach_mtp_tv_loss(',
-        f'{pad}        logits,',
-        f'{pad}        hidden_states,',
-        f'{pad}        {DRAFTS_VAR},',
-        *[f'{pad}        {k}={v},' for k, v in call if k != 'hidden_states'],
-        f'{pad}    )',
+        f'{pad}if {DRAFTS_VAR} is not None:  # mtp_tv: the MTP loss against these main logits',
+        f'{pad}    logits = attach_mtp_tv_loss(logits, hidden_states, {DRAFTS_VAR}, **{KWARGS_VAR})',
     ]
 
 
@@ -235,8 +233,7 @@ def expected_edits(facts: Facts) -> Dict[str, List[Tuple[List[str], List[str]]]]
         call = facts.process_mtp_loss_call
         gpt.append((snippet_wrapped_call(call, facts.postprocess_output_processor),
                     snippet_process_mtp_loss_call(call)))
-    gpt += [(snippet_attach(indent, facts.process_mtp_loss_call), [])
-            for indent in facts.main_logits_projections]
+    gpt += [(snippet_attach(indent), []) for indent in facts.main_logits_projections]
     return {
         CONFIG_FILE: [(snippet_config_import(), []), (snippet_fields(), []), (snippet_validate(), [])],
         MTP_FILE: mtp,
