@@ -1,24 +1,14 @@
 """The entry point of every draft loss, :func:`linear_tv_loss` (docs/implementation.md)."""
 
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from .alignment import RowLayout, TargetSegment
 from .options import MTPLossOptions
 from .products import Products
-from .sweep import DenseGradients, StoredLogitGradients, SweepOutput, SweepPlan, sweep
+from .sweep import DenseGradients, StoredLogitGradients, SweepPlan, TVLossResult, sweep
 from .vocab_parallel import ProcessGroup
-
-
-class TVLossResult(NamedTuple):
-    """Scalar loss; detached ``[G, s, b]`` alpha, argmax == label, objective, argmax == p's."""
-
-    loss: torch.Tensor
-    alpha: Optional[torch.Tensor]
-    greedy_correct: Optional[torch.Tensor]
-    per_depth: Optional[torch.Tensor] = None
-    greedy_agreement: Optional[torch.Tensor] = None
 
 
 AUTO_CHUNK_MIN_BYTES = 64 * 2**20
@@ -100,14 +90,8 @@ def linear_tv_loss(
         # Results leave via a slot: autograd would keep non-differentiable outputs alive.
         slot = _ResultSlot()
         loss_value = _LinearTV.apply(draft_hidden, weight, target, token_weights, plan, storage, slot)
-        out = slot.value
-    else:  # evaluation or metrics only: no gradient work at all
-        out = sweep(draft_hidden, weight, target, token_weights, plan)
-        loss_value = out.loss
-    return TVLossResult(
-        loss_value, out.alpha, out.correct if labels is not None else None, out.per_depth,
-        out.agreement if options.metrics else None,
-    )
+        return slot.value._replace(loss=loss_value)
+    return sweep(draft_hidden, weight, target, token_weights, plan)[0]  # no gradient work at all
 
 
 def _check_shapes(draft_hidden, target_hidden, weight, token_weights, options: MTPLossOptions,
@@ -138,7 +122,7 @@ def _check_shape(name: str, tensor: Optional[torch.Tensor], expected) -> None:
 
 
 class _ResultSlot:
-    value: Optional[SweepOutput] = None
+    value: Optional[TVLossResult] = None
 
 
 class _LinearTV(torch.autograd.Function):
@@ -152,8 +136,8 @@ class _LinearTV(torch.autograd.Function):
         else:  # logit gradients in the weight's dtype, multiplied out in backward
             sink = StoredLogitGradients(draft_hidden, weight, plan.layout)
             saved = [sink.logit_grads, draft_hidden, weight]
-        out = sweep(draft_hidden, weight, target, token_weights, plan, sink)
-        ctx.save_for_backward(out.grad_scale, *saved)
+        out, grad_scale = sweep(draft_hidden, weight, target, token_weights, plan, sink)
+        ctx.save_for_backward(grad_scale, *saved)
         ctx.storage, ctx.need = storage, need
         slot.value = out
         return out.loss

@@ -24,13 +24,14 @@ class SweepPlan:
     target_is_logits: bool = False
 
 
-class SweepOutput(NamedTuple):
+class TVLossResult(NamedTuple):
+    """Scalar loss; detached ``[G, s, b]`` alpha, argmax == label, objective, argmax == p's."""
+
     loss: torch.Tensor
     alpha: Optional[torch.Tensor]
-    correct: torch.Tensor
-    per_depth: torch.Tensor
-    agreement: torch.Tensor
-    grad_scale: torch.Tensor  # the factor the sink's gradients carry
+    greedy_correct: Optional[torch.Tensor]
+    per_depth: Optional[torch.Tensor] = None
+    greedy_agreement: Optional[torch.Tensor] = None
 
 
 class Chunk(NamedTuple):
@@ -150,8 +151,9 @@ class StoredLogitGradients:
         pass
 
 
-def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=None) -> SweepOutput:
-    """One pass over all chunks, each chunk's logit gradient handed to ``sink`` (if any)."""
+def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=None):
+    """One pass over all chunks, each chunk's logit gradient handed to ``sink`` (if any);
+    returns ``(TVLossResult, the factor the sink's gradients carry)``."""
     G, s, b, h = draft_hidden.shape
     options, device, layout = plan.options, draft_hidden.device, plan.layout
     loss_fn, inv_temperature = options.loss, options.inv_temperature
@@ -206,7 +208,7 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
         sink.add(chunk, g, inputs, products, scratch)
     if sink is not None:
         sink.finish()
-    return out.output(layout, grad_scale)
+    return out.output(layout, plan.labels is not None, options.metrics), grad_scale
 
 
 def _write_label_grad(ops, probs, chunk: Chunk, label_logits, coef: torch.Tensor) -> None:
@@ -255,13 +257,14 @@ class _Results:
         self.loss += terms.loss
         self.per_depth[:, rows] = terms.per_depth.view(shape)
 
-    def output(self, layout: RowLayout, grad_scale: torch.Tensor) -> SweepOutput:
+    def output(self, layout: RowLayout, with_labels: bool, metrics: bool) -> TVLossResult:
         """The per-token results at their positions."""
         alpha, correct, per_depth, agreement = (
             layout.to_positions(x, dim=1) if x is not None else None
-            for x in (self.alpha, self.correct, self.per_depth, self.agreement)
+            for x in (self.alpha, self.correct if with_labels else None, self.per_depth,
+                      self.agreement if metrics else None)
         )
-        return SweepOutput(self.loss, alpha, correct, per_depth, agreement, grad_scale)
+        return TVLossResult(self.loss, alpha, correct, per_depth, agreement)
 
 
 def _reduce(sums, label_logits, stats, chunk: Chunk, want_dot: bool, want_kl: bool, group) -> _RowSums:
