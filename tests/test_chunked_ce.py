@@ -19,7 +19,7 @@ import torch
 import megatron.mtp_tv
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import CrossEntropy
-from megatron.mtp_tv.options import MTPLossOptions
+from megatron.mtp_tv.config import MTPLossOptions
 from mtp_tv_dev.distributed import spawn
 from mtp_tv_dev.models import forced_grad_storage, random_batch, sweep_targets_seen
 

@@ -7,7 +7,7 @@ from megatron.mtp_tv.linear_tv import (
     AUTO_CHUNK_MIN_BYTES, AUTO_CHUNK_WEIGHT_GRADS, auto_chunk_tokens, linear_tv_loss,
 )
 from megatron.mtp_tv.losses import LOSSES, EndToEndTVLoss, make_loss
-from megatron.mtp_tv.options import MTPLossOptions
+from megatron.mtp_tv.config import MTPLossOptions
 from megatron.mtp_tv.row_ops import TorchRowOps
 from mtp_tv_dev.models import forced_grad_storage
 from mtp_tv_dev.reference import depth_terms, objective, token_weights

@@ -12,7 +12,7 @@ import torch
 
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES, make_loss
-from megatron.mtp_tv.options import MTPLossOptions
+from megatron.mtp_tv.config import MTPLossOptions
 from megatron.mtp_tv.row_ops import TorchRowOps
 from mtp_tv_dev.models import forced_grad_storage
 from mtp_tv_dev.reference import NLA_FLOOR, depth_terms, nla_values, objective, token_weights

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import megatron.mtp_tv
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES, CrossEntropy
-from megatron.mtp_tv.options import MTPLossOptions
+from megatron.mtp_tv.config import MTPLossOptions
 from megatron.mtp_tv.alignment import TargetSegment
 from mtp_tv_dev.reference import token_weights
 

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import megatron.mtp_tv
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES
-from megatron.mtp_tv.options import MTPLossOptions
+from megatron.mtp_tv.config import MTPLossOptions
 from mtp_tv_dev.distributed import single_process
 from mtp_tv_dev.models import build_gpt_with_mtp, forced_grad_storage, forward_loss
 from mtp_tv_dev.reference import token_weights

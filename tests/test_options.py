@@ -10,7 +10,7 @@ import torch
 
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES, CrossEntropy, LKLoss, TVLoss
-from megatron.mtp_tv.options import LOSS_NAMES, MTPLossOptions, draft_objective
+from megatron.mtp_tv.config import LOSS_NAMES, MTPLossOptions, draft_objective
 
 
 @pytest.mark.parametrize('name', LOSS_NAMES)

@@ -62,7 +62,7 @@ def test_fp16_gradients_are_not_flushed_to_zero():
     # The tiny normalisation (scale / num_tokens) is in the logit gradient before Megatron's loss
     # scale arrives; rounded to fp16 unscaled, most of a row's entries would underflow.
     from megatron.mtp_tv.linear_tv import linear_tv_loss
-    from megatron.mtp_tv.options import MTPLossOptions
+    from megatron.mtp_tv.config import MTPLossOptions
 
     draft, main, weight, mask, _ = grad_precision.make_inputs(4096, 64, 2048, torch.float16)
     w = weight.clone().requires_grad_()

@@ -8,7 +8,7 @@ import torch
 from megatron.mtp_tv.alignment import RowLayout, TargetSegment
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES, CrossEntropy
-from megatron.mtp_tv.options import MTPLossOptions
+from megatron.mtp_tv.config import MTPLossOptions
 from megatron.mtp_tv.sweep import chunks
 from mtp_tv_dev.models import forced_grad_storage
 from mtp_tv_dev.reference import depth_terms, objective, token_weights

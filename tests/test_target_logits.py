@@ -6,7 +6,7 @@ import torch
 
 from megatron.mtp_tv.linear_tv import TargetSegment, choose_grad_storage, linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES
-from megatron.mtp_tv.options import MTPLossOptions
+from megatron.mtp_tv.config import MTPLossOptions
 from mtp_tv_dev.models import forced_grad_storage
 from mtp_tv_dev.reference import depth_terms, objective, token_weights
 

@@ -76,7 +76,7 @@ CHUNKED_CE = 'ce_chunked'
 def package_loss_error(loss_type, draft, main, weight, mask, loss_scale, chunk=0, variant='own'):
     """Relative errors (draft, weight) of ``linear_tv_loss`` in the inputs' dtype."""
     from megatron.mtp_tv.linear_tv import linear_tv_loss
-    from megatron.mtp_tv.options import MTPLossOptions
+    from megatron.mtp_tv.config import MTPLossOptions
     from mtp_tv_dev.models import forced_grad_storage
 
     if variant not in VARIANTS:
@@ -115,7 +115,7 @@ def chunked_ce_error(draft, weight, mask, labels, loss_scale, variant='own'):
     target is read, so ``'main_logits'`` is ``'own'``)."""
     from megatron.mtp_tv.linear_tv import linear_tv_loss
     from megatron.mtp_tv.losses import CrossEntropy
-    from megatron.mtp_tv.options import MTPLossOptions
+    from megatron.mtp_tv.config import MTPLossOptions
     from mtp_tv_dev.models import forced_grad_storage
 
     d, w = draft.clone().requires_grad_(), weight.clone().requires_grad_()

@@ -2,9 +2,8 @@
 
 __version__ = '0.1.0'
 
-from .config import MTP_LOSS_TYPES, validate_mtp_loss_config
+from .config import MTP_LOSS_TYPES, MTPLossOptions, validate_mtp_loss_config
 from .linear_tv import TargetSegment, TVLossResult, linear_tv_loss
-from .options import MTPLossOptions
 
 __all__ = [
     'MTP_LOSS_TYPES', 'MTPLossOptions', 'TVLossResult', 'TargetSegment',

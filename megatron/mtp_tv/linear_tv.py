@@ -5,7 +5,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .alignment import RowLayout, TargetSegment
-from .options import MTPLossOptions
+from .config import MTPLossOptions
 from .products import Products
 from .sweep import DenseGradients, StoredLogitGradients, SweepPlan, TVLossResult, sweep
 from .vocab_parallel import ProcessGroup

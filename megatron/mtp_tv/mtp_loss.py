@@ -15,10 +15,9 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer import multi_token_prediction as _mtp
 
 from .alignment import CP_LAYOUTS, TargetSegment, target_segments
-from .config import runs_megatron_ce, validate_mtp_loss_config
+from .config import MTPLossOptions, runs_megatron_ce, validate_mtp_loss_config
 from .linear_tv import linear_tv_loss
 from .metrics import save_acceptance_to_tracker
-from .options import MTPLossOptions
 from .vocab_parallel import group_size, vocab_range
 
 
@@ -85,9 +84,11 @@ def process_mtp_tv_loss(
     del runtime_gather_output, compute_language_model_loss  # the sweep never builds full logits
     main_hidden, draft_hidden = split_mtp_hidden_states(hidden_states, config)
     loss = _mtp_tv_loss(
-        main_hidden, draft_hidden, None, labels, loss_mask, output_layer, output_weight,
-        is_training, config, cp_group, tp_group, packed_seq_params, scale_logits_fn, input_ids,
-        sequence_roll_context, metrics_only,
+        main_hidden, draft_hidden, None, labels=labels, loss_mask=loss_mask,
+        output_layer=output_layer, output_weight=output_weight, is_training=is_training,
+        config=config, cp_group=cp_group, tp_group=tp_group, packed_seq_params=packed_seq_params,
+        scale_logits_fn=scale_logits_fn, input_ids=input_ids,
+        sequence_roll_context=sequence_roll_context, metrics_only=metrics_only,
     )
     if loss is None or metrics_only:
         return main_hidden
@@ -95,38 +96,18 @@ def process_mtp_tv_loss(
 
 
 def attach_mtp_tv_loss(
-    main_logits: Tensor,
-    main_hidden: Tensor,
-    draft_hidden: Tensor,
-    labels: Tensor,
-    loss_mask: Optional[Tensor],
-    output_layer: Callable,
-    output_weight: Optional[Tensor],
-    runtime_gather_output: Optional[bool],
-    is_training: bool,
-    compute_language_model_loss: Callable,
-    config,
-    cp_group=None,
-    tp_group=None,
-    packed_seq_params=None,
-    scale_logits_fn: Optional[Callable[[Tensor], Tensor]] = None,
-    input_ids: Optional[Tensor] = None,
-    sequence_roll_context=None,
+    main_logits: Tensor, main_hidden: Tensor, draft_hidden: Tensor, **process_mtp_loss_kwargs
 ) -> Tensor:
     """Runs the MTP loss against ``main_logits`` and returns them with it attached.
 
     Args:
         main_logits: ``[s, b, V/tp]`` (or the gathered vocabulary), the detached target.
         main_hidden: ``[s, b, h]``, what they were projected from.
-        draft_hidden: ``[D*s, b, h]``, every depth's hidden states; the other arguments are
-            ``process_mtp_loss``'s.
+        draft_hidden: ``[D*s, b, h]``, every depth's hidden states.
+        **process_mtp_loss_kwargs: ``process_mtp_loss``'s other arguments (all but
+            ``hidden_states``), as ``GPTModel._postprocess`` passes them.
     """
-    del runtime_gather_output, compute_language_model_loss
-    loss = _mtp_tv_loss(
-        main_hidden, draft_hidden, main_logits.detach(), labels, loss_mask, output_layer,
-        output_weight, is_training, config, cp_group, tp_group, packed_seq_params,
-        scale_logits_fn, input_ids, sequence_roll_context,
-    )
+    loss = _mtp_tv_loss(main_hidden, draft_hidden, main_logits.detach(), **process_mtp_loss_kwargs)
     if loss is None or not (torch.is_grad_enabled() and loss.requires_grad):
         return main_logits
     return _AttachMTPLoss.apply(main_logits, loss)
@@ -169,11 +150,13 @@ class _AttachMTPLoss(torch.autograd.Function):
         return grad_logits, torch.ones_like(mtp_loss) * scale
 
 
-def _mtp_tv_loss(main_hidden, draft_hidden, main_logits, labels, loss_mask, output_layer,
-                 output_weight, is_training, config, cp_group, tp_group, packed_seq_params,
-                 scale_logits_fn, input_ids, sequence_roll_context,
-                 metrics_only=False) -> Optional[Tensor]:
-    """The scalar MTP loss, its metrics logged; None without labels and input ids."""
+def _mtp_tv_loss(main_hidden, draft_hidden, main_logits, *, labels, loss_mask, output_layer,
+                 output_weight, is_training, config, cp_group=None, tp_group=None,
+                 packed_seq_params=None, scale_logits_fn=None, input_ids=None,
+                 sequence_roll_context=None, metrics_only=False, runtime_gather_output=None,
+                 compute_language_model_loss=None) -> Optional[Tensor]:
+    """The scalar MTP loss, its metrics logged; None without labels and input ids (the last two
+    arguments, ``process_mtp_loss``'s, go unused: the sweep never builds full logits)."""
     validate_mtp_loss_config(config)  # per call: fields may be assigned after construction
     options = MTPLossOptions.from_config(config, metrics=is_training, metrics_only=metrics_only)
     depth = config.mtp_num_layers

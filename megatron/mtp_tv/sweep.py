@@ -6,8 +6,8 @@ from typing import Callable, List, NamedTuple, Optional
 import torch
 
 from .alignment import RowLayout
+from .config import MTPLossOptions
 from .losses import DraftLoss
-from .options import MTPLossOptions
 from .products import Products
 from .row_ops import Scratch, row_ops_for
 from .vocab_parallel import ProcessGroup, all_reduce_sum_, group_size, vocab_range

@@ -29,7 +29,7 @@ import torch
 from lossbench.timing import is_cuda, summarise, time_interleaved
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import CrossEntropy
-from megatron.mtp_tv.options import MTPLossOptions
+from megatron.mtp_tv.config import MTPLossOptions
 
 Run = Callable[[], None]
 

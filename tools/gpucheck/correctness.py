@@ -13,7 +13,7 @@ import torch
 
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES, CrossEntropy
-from megatron.mtp_tv.options import MTPLossOptions
+from megatron.mtp_tv.config import MTPLossOptions
 from megatron.mtp_tv.row_ops import TorchRowOps, TritonRowOps
 from mtp_tv_dev.models import forced_grad_storage
 from mtp_tv_dev.reference import depth_terms, objective, token_weights

@@ -177,7 +177,7 @@ def loss_cases(s: int, h: int, V: int, chunk: int, tp_group, tp_rank: int, tp: i
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     linear_tv_loss = loss_module('linear_tv').linear_tv_loss
-    MTPLossOptions = loss_module('options').MTPLossOptions  # noqa: N806  (the class)
+    MTPLossOptions = importlib.import_module(loss_package()).MTPLossOptions  # noqa: N806  (the class)
 
     b = 1
     g = torch.Generator().manual_seed(seed)

@@ -10,12 +10,13 @@ stretch. The rows show whether that cost depends on the number of sequences or o
 
 import argparse
 import contextlib
+import importlib
 import time
 from typing import Dict, List
 
 import torch
 
-from .cases import Case, ce_baseline, loss_module
+from .cases import Case, ce_baseline, loss_module, loss_package
 from .timing import paired_ratio, summarise, time_cases
 
 TP, CP = 2, 2
@@ -69,7 +70,7 @@ def packed_cases(tokens: int, sequences: int, h: int, V: int, chunk: int, seed: 
 
     linear_tv_loss = loss_module('linear_tv').linear_tv_loss
     target_segments = loss_module('alignment').target_segments
-    MTPLossOptions = loss_module('options').MTPLossOptions  # noqa: N806  (the class)
+    MTPLossOptions = importlib.import_module(loss_package()).MTPLossOptions  # noqa: N806  (the class)
 
     tp_group, cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
     tp_rank, cp_rank = ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank()
