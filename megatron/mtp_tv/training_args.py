@@ -2,13 +2,15 @@
 
 A Megatron-Bridge provider is not built by ``core_transformer_config_from_args``: it takes the MTP
 loss fields the arguments ask for here, and any other config that holds a different value stops
-the run (docs/megatron_bridge.md). Patches install this module as ``megatron/training/mtp_tv_args.py``.
+the run (docs/megatron_bridge.md). Patches install this module as
+``megatron/training/mtp_tv_args.py``.
 """
 
 import sys
 from typing import Dict, Iterable
 
-from .config import MTP_LOSS_FIELDS, is_cross_entropy, validate_mtp_loss_config
+from .config import MTP_LOSS_FIELDS, is_cross_entropy
+from .config import validate_mtp_loss_config
 
 
 def _defaults() -> Dict[str, object]:
