@@ -65,7 +65,7 @@ def snippet_process_mtp_loss(params: Sequence[str]) -> List[str]:
     kwargs = [f'            {p}={p},' for p in passed]
     return [
         "    # mtp_tv: every MTP loss but Megatron's own 'ce' (the code after this block, unchanged,",
-        "    # with the acceptance metrics if mtp_log_acceptance). Imported here: mtp_tv imports this.",
+        "    # with the acceptance metrics if mtp_log_acceptance). Imported here: mtp_tv imports this module.",
         f'    from {TARGET_MODULE}.config import runs_megatron_ce',
         '',
         '    if not runs_megatron_ce(config) or (config.mtp_log_acceptance and is_training):',
@@ -84,7 +84,7 @@ def snippet_process_mtp_loss(params: Sequence[str]) -> List[str]:
 
 def snippet_track_metrics() -> List[str]:
     return [
-        "        # mtp_tv: the acceptance metrics of every mtp_loss_type but 'ce' (or mtp_log_acceptance).",
+        "        # mtp_tv: the acceptance metrics of every mtp_loss_type ('ce': with mtp_log_acceptance).",
         f'        from {TARGET_MODULE}.metrics import log_acceptance_metrics',
         '',
         '        log_acceptance_metrics(iteration, writer, wandb_writer, total_loss_dict)',
