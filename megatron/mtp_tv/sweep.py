@@ -86,11 +86,12 @@ def chunks(layout: RowLayout, rows_per_chunk: int, b: int, depths: int, with_tar
 
 
 def _chunk_logits(target, plan: SweepPlan, chunk: Chunk, drafts: List[torch.Tensor],
-                  products: Products, scratch: Scratch, out: torch.Tensor):
+                  products: Products, scratch: Scratch, out: torch.Tensor, read_in_place: bool):
     """Writes the chunk's target rows' then its draft rows' logits into ``out``; returns ``(draft
     inputs [G*n, h], target rows the row ops read in place or None)``. Target rows are projected
     with the draft rows in one product (``target`` the main hidden states) or read from the main
-    head's ``[s, b, V/tp]`` logits (``plan.target_is_logits``)."""
+    head's ``[s, b, V/tp]`` logits (``plan.target_is_logits``; ``read_in_place``: a first run of
+    them is left for the row ops to read)."""
     n_t, h = chunk.target_rows, drafts[0].shape[1]
     own_projection = target is not None and not plan.target_is_logits
     pieces = [_target_hidden_rows(target, run) for run in chunk.target_runs()] if own_projection else []
@@ -101,9 +102,6 @@ def _chunk_logits(target, plan: SweepPlan, chunk: Chunk, drafts: List[torch.Tens
     inputs = rows[n_t - first:]
     if own_projection or target is None:
         return inputs, None
-    # Read in place where the row ops would only copy them: fp32, no logit function or temperature.
-    read_in_place = (plan.logits_fn is None and plan.options.inv_temperature == 1.0
-                     and target.dtype == torch.float32)
     return inputs, _target_logit_rows(target, chunk, products, scratch, out[:n_t], read_in_place)
 
 
@@ -158,6 +156,9 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
     options, device, layout = plan.options, draft_hidden.device, plan.layout
     loss_fn, inv_temperature = options.loss, options.inv_temperature
     has_target = target is not None
+    # Target logits the row ops would only copy are read in place: fp32, no logit function or T.
+    read_in_place = (has_target and plan.target_is_logits and plan.logits_fn is None
+                     and inv_temperature == 1.0 and target.dtype == torch.float32)
     out = _Results(G, layout.count, b, device, has_target)
     # Per-token tensors in the layout's rows: weight 0 (and no label) where a row has no draft.
     token_weights = layout.to_rows(token_weights, dim=token_weights.dim() - 2)
@@ -175,7 +176,8 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
         n = chunk.tokens
         raw = scratch.take('logits', (chunk.target_rows + G * n, weight.shape[0]), torch.float32, device)
         drafts = [piece for k in range(G) for piece in chunk.drafts(draft_hidden[k])]
-        inputs, in_place_rows = _chunk_logits(target, plan, chunk, drafts, products, scratch, raw)
+        inputs, in_place_rows = _chunk_logits(target, plan, chunk, drafts, products, scratch, raw,
+                                              read_in_place)
         z = _scaled_logits(raw, plan)  # row ops overwrite it; raw stays for the chain rule
         ops = ops or row_ops_for(z, options.kernels)
         label_logits = _label_logits(z, chunk, labels, vocab) if labels is not None else None
