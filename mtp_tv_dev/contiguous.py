@@ -213,15 +213,13 @@ def dev_process_mtp_loss(mtp) -> Callable:
     reaches only ``process_mtp_tv_loss``, as on dev: Megatron's own CE is not called with it)."""
     if "sequence_roll_context" in inspect.signature(mtp.process_mtp_loss).parameters:
         return mtp.process_mtp_loss
-    from megatron.mtp_tv.config import runs_megatron_ce
     from megatron.mtp_tv.mtp_loss import process_mtp_tv_loss
 
     megatron_process_mtp_loss = inspect.unwrap(mtp.process_mtp_loss)
 
     def process_mtp_loss(sequence_roll_context=None, **kwargs):
-        if runs_megatron_ce(kwargs["config"]):
-            return megatron_process_mtp_loss(**kwargs)
-        return process_mtp_tv_loss(**kwargs, sequence_roll_context=sequence_roll_context)
+        out = process_mtp_tv_loss(**kwargs, sequence_roll_context=sequence_roll_context)
+        return megatron_process_mtp_loss(**kwargs) if out is None else out
 
     return process_mtp_loss
 

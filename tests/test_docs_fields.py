@@ -31,7 +31,7 @@ FLAG = re.compile(r'(?<![\w-])(--mtp-[a-z0-9-]+)')
 #: the variables the patches write into ``GPTModel._postprocess``.
 NOT_FIELDS = {'mtp_tv', 'mtp_tv_dev', 'mtp_loss', 'mtp_block_spec', 'mtp_kwargs', 'mtp_labels',
               'mtp_in_postprocess', 'mtp_on_this_rank', 'mtp_standalone', 'mtp_tv_drafts', 'mtp_tv_kwargs',
-              'mtp_hsm'}  # mtp_hsm: a field of NVIDIA main, not of the megatron-core pinned here
+              'mtp_tv_hidden_states', 'mtp_hsm'}  # mtp_hsm: a field of NVIDIA main, not of the megatron-core pinned here
 METRIC = re.compile(r'mtp_(\d+|\{[a-z]\})(_[a-z_]+)?$|mtp_expected_[a-z_]+$')
 
 

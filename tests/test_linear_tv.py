@@ -380,11 +380,3 @@ def test_normalise_reading_rows_from_a_source_equals_copying_them_first(source_r
     if with_argmax:
         assert torch.equal(stats.argmax, expected_stats.argmax)
     assert torch.equal(source, source_before)
-
-
-def test_normalise_rejects_a_source_that_does_not_fit():
-    ops = TorchRowOps()
-    with pytest.raises(ValueError, match='does not fit'):
-        ops.normalise_(torch.zeros(4, 8), None, source=torch.zeros(5, 8))
-    with pytest.raises(ValueError, match='dtype'):
-        ops.normalise_(torch.zeros(4, 8), None, source=torch.zeros(2, 8, dtype=torch.bfloat16))

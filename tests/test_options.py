@@ -10,14 +10,14 @@ import torch
 
 from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import LOSSES, CrossEntropy, LKLoss, TVLoss
-from megatron.mtp_tv.config import LOSS_NAMES, MTPLossOptions, draft_objective
+from megatron.mtp_tv.config import MTP_LOSS_TYPES, MTPLossOptions, draft_objective
 
 
-@pytest.mark.parametrize('name', LOSS_NAMES)
+@pytest.mark.parametrize('name', MTP_LOSS_TYPES)
 def test_a_loss_name_becomes_its_class(name):
     options = MTPLossOptions(name)
-    expected = CrossEntropy if name == 'ce' else LOSSES[name]
-    assert type(options.loss) is expected and options.loss.name == name
+    expected = CrossEntropy if name in ('ce', 'cross_entropy') else LOSSES[name]
+    assert type(options.loss) is expected and options.loss.name == expected.name
 
 
 def test_defaults_and_derived_values():
@@ -31,8 +31,7 @@ def test_defaults_and_derived_values():
 
 
 @pytest.mark.parametrize('kwargs,message', [
-    (dict(loss='TV'), r"loss='TV'; expected a DraftLoss or one of \['ce', 'tv'"),
-    (dict(loss='cross_entropy'), r"loss='cross_entropy'; expected"),
+    (dict(loss='TV'), r"loss='TV'; expected a DraftLoss or one of \['ce', 'cross_entropy', 'tv'"),
     (dict(loss=3), r'loss=3; expected'),
     (dict(loss='tv', chunk_size=-1), r'chunk_size=-1 is invalid; it must be an int >= 0'),
     (dict(loss='tv', chunk_size=True), r'chunk_size=True is invalid; it must be'),

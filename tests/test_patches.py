@@ -191,8 +191,9 @@ def test_an_already_patched_config_is_refused_whatever_the_field():
 
 
 def test_patched_dispatch_asks_the_package_which_code_computes_the_loss():
-    """Every patch dispatches with the shipped ``runs_megatron_ce`` (both cross-entropy names on
-    Megatron's code, unless mtp_ce_chunked), never with a comparison of its own."""
+    """Every patch hands the MTP loss to the shipped ``process_mtp_tv_loss``, which returns None
+    where Megatron's own code computes it (``runs_megatron_ce``: both cross-entropy names, unless
+    mtp_ce_chunked), never deciding with a comparison of its own."""
     from megatron.mtp_tv.config import CROSS_ENTROPY_NAMES, runs_megatron_ce
     from megatron.mtp_tv.fields import MTPLossConfig
 
@@ -205,8 +206,8 @@ def test_patched_dispatch_asks_the_package_which_code_computes_the_loss():
         added = [line[1:] for path in (layout.MTP_FILE, layout.GPT_FILE)
                  for line in _section(text, path) if line.startswith('+')]
         code = [line.split('#')[0] for line in added]
-        assert any('runs_megatron_ce(' in line and 'import' not in line for line in code), name
-        assert not any('mtp_loss_type' in line for line in code), name
+        assert any('= process_mtp_tv_loss(' in line for line in code), name
+        assert not any('mtp_loss_type' in line or 'runs_megatron_ce' in line for line in code), name
 
 
 def _section(text, path):
@@ -316,8 +317,14 @@ def test_patched_sources_attach_the_loss_to_the_main_logits_and_check_the_argume
     splits = [n for n in ast.walk(post) if isinstance(n, ast.If)
               and ast.unparse(n.test).startswith('mtp_loss_follows_main_logits(self')]
     assert len(splits) == 1
+    # inline trees: the main rows reach hidden_states through the branch that replaces Megatron's
+    main = 'mtp_tv_hidden_states' if target.facts.inline_gpt_loss else 'hidden_states'
     assert ast.unparse(splits[0].body[0]).startswith(
-        'hidden_states, mtp_tv_drafts = split_mtp_hidden_states(hidden_states, self.config)')
+        f'{main}, mtp_tv_drafts = split_mtp_hidden_states(hidden_states, self.config)')
+    if target.facts.inline_gpt_loss:
+        assert any(ast.unparse(n).startswith('if mtp_tv_hidden_states is not None:\n    '
+                                             'hidden_states = mtp_tv_hidden_states\nelif ')
+                   for n in ast.walk(post) if isinstance(n, ast.If))
     attached = 0
     for block in ast.walk(post):
         for field in ('body', 'orelse'):

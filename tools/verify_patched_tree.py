@@ -231,12 +231,15 @@ def _check_model():
     labels = torch.roll(tokens, -1, dims=1)
     position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
     runs = {}
-    cases = (('ce', 0.1), ('cross_entropy', 0.1), ('tv', 0.1), ('e2e_tv', 0.1), ('tv', 0.0))
-    for loss_type, scale in cases:
+    # (loss type, MTP loss scale, mtp_log_acceptance)
+    cases = (('ce', 0.1, False), ('cross_entropy', 0.1, False), ('ce', 0.1, True),
+             ('tv', 0.1, False), ('e2e_tv', 0.1, False), ('tv', 0.0, False))
+    for loss_type, scale, log_acceptance in cases:
         with single_process():
             model = build_gpt_with_mtp(
                 vocab_size=vocab, seq_length=s, mtp_num_layers=2, mtp_loss_type=loss_type,
                 mtp_tv_chunk=8, mtp_loss_scaling_factor=scale, tie_embeddings=False,
+                mtp_log_acceptance=log_acceptance,
             )
             model.train()
             kwargs = dict(
@@ -260,21 +263,29 @@ def _check_model():
                 float(p.grad.abs().sum()) for n, p in model.named_parameters()
                 if n.startswith('mtp.') and p.grad is not None
             )
-            runs[(loss_type, scale)] = dict(
+            runs[(loss_type, scale, log_acceptance)] = dict(
                 main_loss=float(loss.mean()), tv_ran=tv_ran, mtp_grad=mtp_grad,
                 out_grad=model.output_layer.weight.grad.clone(), logged=logged,
                 grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
             )
-    ce, tv, e2e, tv0 = (runs[k] for k in (('ce', 0.1), ('tv', 0.1), ('e2e_tv', 0.1), ('tv', 0.0)))
+    ce, tv, e2e, tv0 = (runs[(k, scale, False)]
+                        for k, scale in (('ce', 0.1), ('tv', 0.1), ('e2e_tv', 0.1), ('tv', 0.0)))
     assert not ce['tv_ran'] and tv['tv_ran'] and e2e['tv_ran'], 'TV path did not run as expected'
     assert 'mtp_1_tv_acceptance' in tv['logged'] and 'mtp_expected_accepted_drafts' in e2e['logged']
     assert ce['main_loss'] == tv['main_loss'] == e2e['main_loss']
     # upstream's name of the CE loss takes the same code path: bit-identical
-    xe = runs[('cross_entropy', 0.1)]
+    xe = runs[('cross_entropy', 0.1, False)]
     assert not xe['tv_ran'] and xe['main_loss'] == ce['main_loss'] and xe['logged'] == ce['logged']
     assert xe['grads'].keys() == ce['grads'].keys() and all(
         torch.equal(xe['grads'][n], ce['grads'][n]) for n in ce['grads']
     ), "mtp_loss_type='cross_entropy' differs from 'ce'"
+    # 'ce' with the acceptance metrics: Megatron's code trains, bit-identical; the metrics are logged
+    logging = runs[('ce', 0.1, True)]
+    assert logging['tv_ran'] and 'mtp_1_tv_acceptance' in logging['logged']
+    assert logging['main_loss'] == ce['main_loss'] and logging['grads'].keys() == ce['grads'].keys()
+    assert all(torch.equal(logging['grads'][n], ce['grads'][n]) for n in ce['grads']), (
+        "'ce' with mtp_log_acceptance trains differently from 'ce'")
+    assert all(logging['logged'][k] == v for k, v in ce['logged'].items())
     assert tv['mtp_grad'] > 0 and e2e['mtp_grad'] > 0 and ce['mtp_grad'] > 0
     detached = torch.equal(tv['out_grad'], tv0['out_grad'])
     if inline:
@@ -285,6 +296,7 @@ def _check_model():
         e2e_expected_accepted_drafts=e2e['logged']['mtp_expected_accepted_drafts'],
         mtp_loss_leaves_output_weight_untouched=detached,
         cross_entropy_bit_identical_to_ce=True,
+        ce_with_acceptance_metrics_bit_identical_to_ce=True,
     )
     return out
 

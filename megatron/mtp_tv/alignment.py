@@ -134,14 +134,20 @@ def target_segments(
     if layout not in CP_LAYOUTS:
         raise ValueError(f"context parallel layout {layout!r}; expected one of {CP_LAYOUTS}.")
     s_local = target_hidden.shape[0]
-    cp = group_size(cp_group)
+    cp, rank = group_size(cp_group), group_rank(cp_group)
     if cp == 1:
         return [TargetSegment(0, s_local)]
-    if layout == 'contiguous':
-        return contiguous_target_segments(target_hidden, depth, cp_group)
+    if layout == 'contiguous':  # one segment; its halo: the next rank's first rows
+        if s_local < depth:
+            raise ValueError(
+                f"context parallel size {cp}, contiguous layout: shards of {s_local} positions are "
+                f"shorter than mtp_num_layers={depth}, so MTP targets would lie two ranks away; use "
+                "longer packed rows or a smaller context parallel size."
+            )
+        (halo,), _ = _exchange([target_hidden[:depth]], None, rank, cp, cp_group)
+        return [TargetSegment(0, s_local, halo)]
 
     chunks = _zigzag_chunks(_local_sequence_bounds(s_local, cp, cu_seqlens), depth, cp)
-    rank = group_rank(cp_group)
     heads_front = [target_hidden[a : a + depth] for a, _, _, _ in chunks]
     heads_back = [target_hidden[c : c + depth] for _, _, c, _ in chunks]
     front_halos, back_halos = _exchange(heads_front, heads_back, rank, cp, cp_group)
@@ -173,22 +179,6 @@ def _zigzag_chunks(bounds, depth: int, cp: int) -> List[Tuple[int, int, int, int
             )
         chunks.append((lo, lo + half, lo + half, hi))
     return chunks
-
-
-def contiguous_target_segments(
-    target_hidden: torch.Tensor, depth: int, cp_group: ProcessGroup
-) -> List[TargetSegment]:
-    """A contiguous shard's ``[TargetSegment(0, s_local, halo)]``: the next rank's first rows."""
-    s_local = target_hidden.shape[0]
-    cp, rank = group_size(cp_group), group_rank(cp_group)
-    if s_local < depth:
-        raise ValueError(
-            f"context parallel size {cp}, contiguous layout: shards of {s_local} positions are "
-            f"shorter than mtp_num_layers={depth}, so MTP targets would lie two ranks away; use "
-            "longer packed rows or a smaller context parallel size."
-        )
-    (halo,), _ = _exchange([target_hidden[:depth]], None, rank, cp, cp_group)
-    return [TargetSegment(0, s_local, halo)]
 
 
 def _local_sequence_bounds(s_local: int, cp: int, cu_seqlens) -> List[tuple]:

@@ -102,15 +102,12 @@ def _check_combination(config) -> None:
         )
 
 
-LOSS_NAMES = (CrossEntropy.name,) + tuple(LOSSES)
-
-
 @dataclass(frozen=True)
 class MTPLossOptions:
     """What a call of :func:`~.linear_tv.linear_tv_loss` computes; ValueError for a bad value.
 
     Args:
-        loss: a :class:`~.losses.DraftLoss`, or its name (``'ce'`` or a key of ``LOSSES``).
+        loss: a :class:`~.losses.DraftLoss`, or its name (one of :data:`MTP_LOSS_TYPES`).
         chunk_size: tokens per chunk (0: automatic).
         temperature: the verification temperature (1 for a loss against the labels).
         kernels: the row kernels, ``'auto'``, ``'torch'`` or ``'triton'``.
@@ -125,11 +122,11 @@ class MTPLossOptions:
 
     def __post_init__(self):
         loss = self.loss
-        if isinstance(loss, str) and loss in LOSS_NAMES:
-            loss = CrossEntropy() if loss == CrossEntropy.name else make_loss(loss)
+        if isinstance(loss, str) and loss in MTP_LOSS_TYPES:
+            loss = CrossEntropy() if is_cross_entropy(loss) else make_loss(loss)
             object.__setattr__(self, 'loss', loss)
         elif not isinstance(loss, DraftLoss):
-            raise ValueError(f"loss={loss!r}; expected a DraftLoss or one of {list(LOSS_NAMES)}.")
+            raise ValueError(f"loss={loss!r}; expected a DraftLoss or one of {list(MTP_LOSS_TYPES)}.")
         check_setting('chunk_size', self.chunk_size, 'chunk')
         check_setting('temperature', self.temperature, 'temperature')
         object.__setattr__(self, 'temperature', float(self.temperature))

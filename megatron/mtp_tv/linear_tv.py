@@ -1,6 +1,6 @@
 """The entry point of every draft loss, :func:`linear_tv_loss` (docs/implementation.md)."""
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -87,10 +87,10 @@ def linear_tv_loss(
             G * s * b, h, weight.shape[0], weight.dtype, draft_hidden.requires_grad,
             weight.requires_grad,
         )
-        # Results leave via a slot: autograd would keep non-differentiable outputs alive.
-        slot = _ResultSlot()
-        loss_value = _LinearTV.apply(draft_hidden, weight, target, token_weights, plan, storage, slot)
-        return slot.value._replace(loss=loss_value)
+        # Results leave via a list: autograd would keep non-differentiable outputs alive.
+        results = []
+        loss_value = _LinearTV.apply(draft_hidden, weight, target, token_weights, plan, storage, results)
+        return results[0]._replace(loss=loss_value)
     return sweep(draft_hidden, weight, target, token_weights, plan)[0]  # no gradient work at all
 
 
@@ -121,14 +121,10 @@ def _check_shape(name: str, tensor: Optional[torch.Tensor], expected) -> None:
         raise ValueError(f"{name} shape {got} does not match {tuple(expected)}.")
 
 
-class _ResultSlot:
-    value: Optional[TVLossResult] = None
-
-
 class _LinearTV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, draft_hidden, weight, target, token_weights, plan: SweepPlan, storage: str,
-                slot: _ResultSlot):
+                results: List[TVLossResult]):
         need = ctx.needs_input_grad[:2]
         if storage == 'dense':  # fp32 gradients formed in forward, scaled in backward
             sink = DenseGradients(draft_hidden, weight, plan.layout, *need)
@@ -137,9 +133,10 @@ class _LinearTV(torch.autograd.Function):
             sink = StoredLogitGradients(draft_hidden, weight, plan.layout)
             saved = [sink.logit_grads, draft_hidden, weight]
         out, grad_scale = sweep(draft_hidden, weight, target, token_weights, plan, sink)
+        sink.finish()
         ctx.save_for_backward(grad_scale, *saved)
         ctx.storage, ctx.need = storage, need
-        slot.value = out
+        results.append(out)
         return out.loss
 
     @staticmethod

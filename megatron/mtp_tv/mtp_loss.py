@@ -1,5 +1,6 @@
 """Megatron glue: the MTP losses behind ``process_mtp_loss`` (docs/main_logits.md)."""
 
+import contextlib
 import inspect
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
@@ -70,29 +71,33 @@ def process_mtp_tv_loss(
     scale_logits_fn: Optional[Callable[[Tensor], Tensor]] = None,
     input_ids: Optional[Tensor] = None,
     sequence_roll_context=None,
-    metrics_only: bool = False,
-) -> Tensor:
-    """Megatron's ``process_mtp_loss`` (same arguments) for every loss but its own ``'ce'``.
+) -> Optional[Tensor]:
+    """Megatron's ``process_mtp_loss`` (same arguments) for every MTP loss but its own ``'ce'``.
 
     Args:
         hidden_states: ``[(1+D)s, b, h]``, the main rows then each depth's.
-        metrics_only: log the metrics, attach no loss (``'ce'`` with ``mtp_log_acceptance``).
+        runtime_gather_output, compute_language_model_loss: unused (no full logits are built).
 
     Returns:
-        The main hidden states ``[s, b, h]``, the MTP loss attached.
+        The main hidden states ``[s, b, h]``, the MTP loss attached; None where Megatron's own
+        ``'ce'`` computes it (the acceptance metrics logged first with ``mtp_log_acceptance``).
     """
-    del runtime_gather_output, compute_language_model_loss  # the sweep never builds full logits
+    metrics_only = runs_megatron_ce(config)
+    if metrics_only and not (is_training and getattr(config, 'mtp_log_acceptance', False)):
+        return None
     main_hidden, draft_hidden = split_mtp_hidden_states(hidden_states, config)
-    loss = _mtp_tv_loss(
-        main_hidden, draft_hidden, None, labels=labels, loss_mask=loss_mask,
-        output_layer=output_layer, output_weight=output_weight, is_training=is_training,
-        config=config, cp_group=cp_group, tp_group=tp_group, packed_seq_params=packed_seq_params,
-        scale_logits_fn=scale_logits_fn, input_ids=input_ids,
-        sequence_roll_context=sequence_roll_context, metrics_only=metrics_only,
-    )
-    if loss is None or metrics_only:
-        return main_hidden
-    return _mtp.MTPLossAutoScaler.apply(main_hidden, loss)
+    with torch.no_grad() if metrics_only else contextlib.nullcontext():
+        loss = _mtp_tv_loss(
+            main_hidden, draft_hidden, None, labels=labels, loss_mask=loss_mask,
+            output_layer=output_layer, output_weight=output_weight, is_training=is_training,
+            config=config, cp_group=cp_group, tp_group=tp_group,
+            packed_seq_params=packed_seq_params, scale_logits_fn=scale_logits_fn,
+            input_ids=input_ids, sequence_roll_context=sequence_roll_context,
+            metrics_only=metrics_only,
+        )
+    if metrics_only:
+        return None
+    return main_hidden if loss is None else _mtp.MTPLossAutoScaler.apply(main_hidden, loss)
 
 
 def attach_mtp_tv_loss(
@@ -234,18 +239,16 @@ def _roll_per_depth(labels, input_ids, loss_mask, depth: int, roll) -> Optional[
 
 def _token_weights(loss_fn, rolled: _Rolled, config) -> Tensor:
     """Mask and normalisation as on Megatron's CE path, ``[D, s, b]`` (``[s, b]`` per chain)."""
-    depth = rolled.masks.shape[0]
-    if not loss_fn.per_chain:
-        num_tokens = torch.stack(rolled.num_tokens).float().clamp(min=1)  # [D]
-        norm = config.mtp_loss_scaling_factor / depth / num_tokens
-        if config.calculate_per_token_loss:
-            norm = norm * rolled.original_num_tokens
-        return (rolled.masks * norm.view(-1, 1, 1)).transpose(1, 2)
-    chains = rolled.masks.prod(0)
-    norm = config.mtp_loss_scaling_factor / chains.sum().clamp(min=1)
+    if loss_fn.per_chain:  # [s, b]
+        masks = rolled.masks.prod(0)
+        norm = config.mtp_loss_scaling_factor / masks.sum().clamp(min=1)
+    else:  # [D, s, b], each depth over its own token count
+        masks = rolled.masks
+        num_tokens = torch.stack(rolled.num_tokens).float().clamp(min=1)
+        norm = (config.mtp_loss_scaling_factor / masks.shape[0] / num_tokens).view(-1, 1, 1)
     if config.calculate_per_token_loss:
         norm = norm * rolled.original_num_tokens
-    return (chains * norm).transpose(0, 1)
+    return (masks * norm).transpose(-2, -1)
 
 
 def _output_weight(output_layer, output_weight, config) -> Tensor:

@@ -78,9 +78,6 @@ TRACKER_APIS = {
     'save_loss_to_tracker': ('loss', 'layer_number', 'num_layers', 'reduce_group', 'avg_group'),
 }
 
-#: ``process_mtp_tv_loss`` parameters that are not ``process_mtp_loss`` parameters.
-_TV_ONLY_PARAMS = ('metrics_only',)
-
 
 class _MainLogitsLoss:
     """The MTP loss of one ``GPTModel._postprocess`` call, between the split of its hidden states
@@ -171,13 +168,12 @@ def tracker_problem(methods: Dict[str, tuple]) -> str:
 
 def process_mtp_loss_problem(params, tv_params, tv_required) -> str:
     """Why ``process_mtp_loss(*params)`` cannot be handed to ``process_mtp_tv_loss``."""
-    known = [p for p in tv_params if p not in _TV_ONLY_PARAMS]
-    unknown = [p for p in params if p not in known]
+    unknown = [p for p in params if p not in tv_params]
     missing = [p for p in tv_required if p not in params]
     if unknown:
         return (
             f'process_mtp_loss has parameter(s) {unknown} that the TV losses do not know '
-            f'(known: {known})'
+            f'(known: {list(tv_params)})'
         )
     if missing:
         return f'process_mtp_loss lacks {missing}, which the TV losses need'
@@ -344,24 +340,18 @@ def _install_loss() -> None:
 
 
 def _with_tv_losses(megatron_process_mtp_loss: Callable) -> Callable:
-    """Megatron's ``process_mtp_loss`` for ``'ce'`` (unless ``mtp_ce_chunked``),
-    :func:`process_mtp_tv_loss` otherwise."""
+    """:func:`process_mtp_tv_loss`, then Megatron's ``process_mtp_loss`` where it returns None
+    (Megatron's own ``'ce'``)."""
     from .mtp_loss import process_mtp_tv_loss
 
     @functools.wraps(megatron_process_mtp_loss)
     def process_mtp_loss(*args, **kwargs):
         bound = inspect.signature(megatron_process_mtp_loss).bind(*args, **kwargs).arguments
-        config = bound['config']
-        if not _config.runs_megatron_ce(config):
-            pending = _MAIN_LOGITS_LOSS.get()
-            if pending is not None and pending.main_hidden is None:
-                return pending.split(**bound)
-            return process_mtp_tv_loss(**bound)
-        out = megatron_process_mtp_loss(*args, **kwargs)
-        if getattr(config, 'mtp_log_acceptance', False) and bound.get('is_training'):
-            with torch.no_grad():
-                process_mtp_tv_loss(**bound, metrics_only=True)
-        return out
+        pending = _MAIN_LOGITS_LOSS.get()
+        if pending is not None and pending.main_hidden is None:
+            return pending.split(**bound)
+        out = process_mtp_tv_loss(**bound)
+        return megatron_process_mtp_loss(*args, **kwargs) if out is None else out
 
     return process_mtp_loss
 

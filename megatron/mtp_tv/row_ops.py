@@ -85,18 +85,13 @@ class TorchRowOps:
     def __init__(self):
         self._scratch = Scratch()
 
-    def normalise_(
-        self,
-        z: torch.Tensor,
-        group: ProcessGroup,
-        vocab_start: Optional[int] = None,
-        source: Optional[torch.Tensor] = None,
-    ):
+    def normalise_(self, z: torch.Tensor, group: ProcessGroup, vocab_start: Optional[int] = None,
+                   source: Optional[torch.Tensor] = None):
         """``(z, RowStats)``, the ``[n, V/tp]`` fp32 logits ``z`` overwritten with their softmax
         (``vocab_start``: also the argmax; ``source``: ``z``'s first rows, read in place)."""
         single_shard = group_size(group) == 1
         n = z.shape[0]
-        from_source = _check_source(z, source)
+        from_source = source.shape[0] if source is not None else 0
         local_max, local_logsum = z.new_empty(n), z.new_empty(n)
         local_argmax = torch.empty(n, dtype=torch.long, device=z.device) if vocab_start is not None else None
         for rows in self._blocks(z):
@@ -131,14 +126,8 @@ class TorchRowOps:
     def written_grad(q: torch.Tensor) -> torch.Tensor:
         return q
 
-    def pair_sums(
-        self,
-        p: torch.Tensor,
-        q: torch.Tensor,
-        dot: bool = False,
-        kl: bool = False,
-        coefficients: Optional[CoefficientFn] = None,
-    ) -> PairSums:
+    def pair_sums(self, p: torch.Tensor, q: torch.Tensor, dot: bool = False, kl: bool = False,
+                  coefficients: Optional[CoefficientFn] = None) -> PairSums:
         """This shard's :class:`PairSums` of draft rows ``q`` against target rows ``p``; with
         ``coefficients`` (one shard: the sums are complete) also :meth:`grad_`, in the same pass."""
         n = q.shape[0]
@@ -162,14 +151,8 @@ class TorchRowOps:
                 self._write_grad(pb, qb, q_below, dots[rows] if dot else None, tv_coef, kl_coef)
         return PairSums(overlap, dots, kls)
 
-    def grad_(
-        self,
-        p: torch.Tensor,
-        q: torch.Tensor,
-        dot: Optional[torch.Tensor],
-        tv_coef: Optional[torch.Tensor],
-        kl_coef: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
+    def grad_(self, p: torch.Tensor, q: torch.Tensor, dot: Optional[torch.Tensor],
+              tv_coef: Optional[torch.Tensor], kl_coef: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``tv_coef * q * (dot - 1[q < p]) + kl_coef * (q - p)`` written into ``q``."""
         for rows in self._blocks(q):
             self._write_grad(
@@ -212,30 +195,15 @@ class TorchRowOps:
         return self._scratch.take(name, like.shape, like.dtype, like.device)
 
 
-def _check_source(z: torch.Tensor, source: Optional[torch.Tensor]) -> int:
-    if source is None:
-        return 0
-    if source.dim() != 2 or source.shape[0] > z.shape[0] or source.shape[1] != z.shape[1]:
-        raise ValueError(f"source shape {tuple(source.shape)} does not fit logits {tuple(z.shape)}.")
-    if source.dtype != z.dtype:
-        raise ValueError(f"source dtype {source.dtype} differs from the logits' {z.dtype}.")
-    return source.shape[0]
-
-
 class TritonRowOps:
     """Triton passes: the logits stay; probabilities are recomputed per tile."""
 
     name = 'triton'
 
-    def normalise_(
-        self,
-        z: torch.Tensor,
-        group: ProcessGroup,
-        vocab_start: Optional[int] = None,
-        source: Optional[torch.Tensor] = None,
-    ):
+    def normalise_(self, z: torch.Tensor, group: ProcessGroup, vocab_start: Optional[int] = None,
+                   source: Optional[torch.Tensor] = None):
         """``((z, lse), RowStats)``, the logits left in place (``source`` copied in)."""
-        if _check_source(z, source):
+        if source is not None:
             z[: source.shape[0]].copy_(source)
         local_max, local_logsum, local_argmax = _triton().row_stats(z, with_argmax=vocab_start is not None)
         if local_argmax is not None:

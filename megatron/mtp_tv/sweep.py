@@ -150,8 +150,8 @@ class StoredLogitGradients:
 
 
 def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=None):
-    """One pass over all chunks, each chunk's logit gradient handed to ``sink`` (if any);
-    returns ``(TVLossResult, the factor the sink's gradients carry)``."""
+    """One pass over all chunks, each chunk's logit gradient handed to ``sink`` (if any; its owner
+    finishes it); returns ``(TVLossResult, the factor the sink's gradients carry)``."""
     G, s, b, h = draft_hidden.shape
     options, device, layout = plan.options, draft_hidden.device, plan.layout
     loss_fn, inv_temperature = options.loss, options.inv_temperature
@@ -208,8 +208,6 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
         if plan.logits_fn is not None:
             _chain_rule_(g, raw, chunk, plan.logits_fn)
         sink.add(chunk, g, inputs, products, scratch)
-    if sink is not None:
-        sink.finish()
     return out.output(layout, plan.labels is not None, options.metrics), grad_scale
 
 

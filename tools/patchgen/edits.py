@@ -240,7 +240,7 @@ def edit_training(text: str) -> Editor:
     return ed
 
 def _wrap_process_mtp_loss_call(ed: Editor, post, facts) -> None:
-    """``hidden_states = process_mtp_loss(...)`` goes under the ``else:`` of
+    """``hidden_states = process_mtp_loss(...)`` gets the edits of
     :func:`~patchgen.snippets.snippet_wrapped_call`; the statement must read exactly as
     :func:`~patchgen.snippets.snippet_process_mtp_loss_call` renders it from the facts (keyword
     arguments one per line), so that the offline check can render the removed lines."""
@@ -251,8 +251,10 @@ def _wrap_process_mtp_loss_call(ed: Editor, post, facts) -> None:
     if found != expected:
         raise PatchError(f'{GPT_FILE}:{statement.lineno}: the process_mtp_loss call is not '
                          '`hidden_states = process_mtp_loss(` with keyword arguments one per line')
-    ed.replace(statement.lineno - 1, snippet_wrapped_call(
-        facts.process_mtp_loss_call, facts.postprocess_output_processor), stop=statement.end_lineno)
+    first = statement.lineno - 1
+    for start, stop, new in snippet_wrapped_call(facts.process_mtp_loss_call,
+                                                 facts.postprocess_output_processor):
+        ed.replace(first + start, new, stop=first + stop)
 
 
 def megatron_edits(files: Dict[str, str]) -> Dict[str, Editor]:

@@ -139,7 +139,7 @@ def _module_level(path: Path, names: Sequence[str]) -> Dict[str, ast.stmt]:
 #: literals and functions install() uses, read from the source (the generator does not import
 #: the package, which imports Megatron).
 _PLUGIN_CHECKS = (
-    'ROLL_TENSOR_FORMS', 'TRACKER_APIS', '_TV_ONLY_PARAMS', 'roll_tensor_problem',
+    'ROLL_TENSOR_FORMS', 'TRACKER_APIS', 'roll_tensor_problem',
     'tracker_problem', 'process_mtp_loss_problem',
 )
 

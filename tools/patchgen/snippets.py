@@ -21,6 +21,9 @@ DRAFTS_VAR = 'mtp_tv_drafts'
 #: The local that holds the MTP loss's keyword arguments (``process_mtp_loss``'s but the hidden
 #: states), for both places the loss can run.
 KWARGS_VAR = 'mtp_tv_kwargs'
+#: The local that holds what ``process_mtp_tv_loss`` returns: None where Megatron's own code
+#: computes the loss (``'ce'``).
+HIDDEN_VAR = 'mtp_tv_hidden_states'
 #: The indentation of ``_postprocess``'s ``hidden_states = process_mtp_loss(...)`` statement,
 #: and of that call's keyword arguments (one per line).
 CALL_INDENT = ' ' * 16
@@ -61,23 +64,17 @@ def snippet_get_model() -> List[str]:
 
 def snippet_process_mtp_loss(params: Sequence[str]) -> List[str]:
     tv = tv_loss_params()
-    passed = [p for p in params if p in tv]
-    kwargs = [f'            {p}={p},' for p in passed]
+    kwargs = [f'        {p}={p},' for p in params if p in tv]
     return [
-        "    # mtp_tv: every MTP loss but Megatron's own 'ce' (the code after this block, unchanged,",
-        "    # with the acceptance metrics if mtp_log_acceptance). Imported here: mtp_tv imports this module.",
-        f'    from {TARGET_MODULE}.config import runs_megatron_ce',
+        "    # mtp_tv: every MTP loss but Megatron's own 'ce', which the code after this block computes",
+        '    # (None here). Imported here: mtp_tv imports this module.',
+        f'    from {TARGET_MODULE}.mtp_loss import process_mtp_tv_loss',
         '',
-        '    if not runs_megatron_ce(config) or (config.mtp_log_acceptance and is_training):',
-        f'        from {TARGET_MODULE}.mtp_loss import process_mtp_tv_loss',
-        '',
-        '        mtp_tv_kwargs = dict(',
+        f'    {HIDDEN_VAR} = process_mtp_tv_loss(',
         *kwargs,
-        '        )',
-        '        if not runs_megatron_ce(config):',
-        '            return process_mtp_tv_loss(**mtp_tv_kwargs)',
-        '        with torch.no_grad():',
-        '            process_mtp_tv_loss(**mtp_tv_kwargs, metrics_only=True)',
+        '    )',
+        f'    if {HIDDEN_VAR} is not None:',
+        f'        return {HIDDEN_VAR}',
         '',
     ]
 
@@ -99,9 +96,7 @@ def snippet_gpt_import() -> List[str]:
 def snippet_postprocess_start() -> List[str]:
     """First in ``GPTModel._postprocess``: no drafts split off yet."""
     return [
-        '        # mtp_tv: the hidden states of the MTP depths, where the MTP loss runs on the main',
-        '        # logits projected below (mtp_tv/mtp_loss.py, attach_mtp_tv_loss); else None.',
-        f'        {DRAFTS_VAR} = None',
+        f'        {DRAFTS_VAR} = None  # mtp_tv: the MTP depths\' states, for the loss on the main logits',
     ]
 
 
@@ -110,8 +105,8 @@ def _follows(output_processor: bool) -> str:
     return f'mtp_loss_follows_main_logits({args})'
 
 
-def _split(indent: str) -> List[str]:
-    return [f'{indent}hidden_states, {DRAFTS_VAR} = split_mtp_hidden_states(',
+def _split(indent: str, main: str = 'hidden_states') -> List[str]:
+    return [f'{indent}{main}, {DRAFTS_VAR} = split_mtp_hidden_states(',
             f'{indent}    hidden_states, self.config',
             f'{indent})']
 
@@ -123,20 +118,24 @@ def snippet_process_mtp_loss_call(call: Sequence[Tuple[str, str]]) -> List[str]:
             + [f'{CALL_KWARG_INDENT}{k}={v},' for k, v in call] + [f'{CALL_INDENT})'])
 
 
-def snippet_wrapped_call(call: Sequence[Tuple[str, str]], output_processor: bool) -> List[str]:
-    """What replaces that statement: its arguments held once (``KWARGS_VAR``), for
-    ``process_mtp_loss`` there or for the MTP loss on the main logits below, in which case the
-    hidden states are only split there."""
+def snippet_wrapped_call(call: Sequence[Tuple[str, str]], output_processor: bool
+                         ) -> List[Tuple[int, int, List[str]]]:
+    """The edits of that statement, ``(start, stop, new lines)`` relative to its first line: its
+    arguments held once (``KWARGS_VAR``; its first line becomes ``KWARGS_VAR = dict(`` and its
+    ``hidden_states`` argument goes), then ``process_mtp_loss`` after it, or only the split of
+    the hidden states where the MTP loss runs on the main logits below."""
+    hidden = 1 + [k for k, _ in call].index('hidden_states')
+    end = len(call) + 2
     return [
-        f'{CALL_INDENT}# mtp_tv: the MTP loss arguments, for process_mtp_loss here or for the loss on',
-        f'{CALL_INDENT}# the main logits below (then the hidden states are only split here)',
-        f'{CALL_INDENT}{KWARGS_VAR} = dict(',
-        *[f'{CALL_KWARG_INDENT}{k}={v},' for k, v in call if k != 'hidden_states'],
-        f'{CALL_INDENT})',
-        f'{CALL_INDENT}if {_follows(output_processor)}:',
-        *_split(CALL_INDENT + '    '),
-        f'{CALL_INDENT}else:',
-        f'{CALL_INDENT}    hidden_states = process_mtp_loss(hidden_states=hidden_states, **{KWARGS_VAR})',
+        (0, 1, [f'{CALL_INDENT}# mtp_tv: the MTP loss arguments, for process_mtp_loss or for the main logits',
+                f'{CALL_INDENT}{KWARGS_VAR} = dict(']),
+        (hidden, hidden + 1, []),
+        (end, end, [
+            f'{CALL_INDENT}if {_follows(output_processor)}:',
+            *_split(CALL_INDENT + '    '),
+            f'{CALL_INDENT}else:',
+            f'{CALL_INDENT}    hidden_states = process_mtp_loss(hidden_states=hidden_states, **{KWARGS_VAR})',
+        ]),
     ]
 
 
@@ -156,21 +155,12 @@ def snippet_inline_gpt(output_processor: bool) -> Tuple[List[str], List[str]]:
         "        # mtp_tv: every MTP loss but Megatron's own 'ce' goes to process_mtp_tv_loss, fed what the",
         "        # 'ce' branch below uses: the tokens in mtp_kwargs['mtp_labels'] rolled once into labels",
         "        # with the loss mask, and a detached output layer (the MTP loss does not train it).",
-        f'        from {TARGET_MODULE}.config import runs_megatron_ce',
-        '',
-        '        mtp_tv = (',
-        '            self.config.mtp_num_layers',
-        "            and mtp_kwargs.get('mtp_labels', None) is not None",
-        '            and (',
-        '                not runs_megatron_ce(self.config)',
-        '                or (self.config.mtp_log_acceptance and self.training)',
-        '            )',
-        '        )',
-        '        if mtp_tv:',
+        f'        {HIDDEN_VAR} = None',
+        "        if self.config.mtp_num_layers and mtp_kwargs.get('mtp_labels', None) is not None:",
         '            # Imported here: the mtp_tv package imports multi_token_prediction.',
         f'            from {TARGET_MODULE}.mtp_loss import process_mtp_tv_loss',
         '',
-        '            mtp_tv_kwargs = dict(',
+        f'            {KWARGS_VAR} = dict(',
         '                labels=None,',
         "                input_ids=mtp_kwargs['mtp_labels'],",
         '                loss_mask=loss_mask,',
@@ -185,18 +175,14 @@ def snippet_inline_gpt(output_processor: bool) -> Tuple[List[str], List[str]]:
         '                cp_group=self.cp_group,',
         '                packed_seq_params=packed_seq_params,',
         '            )',
-        '            if runs_megatron_ce(self.config):',
-        '                with torch.no_grad():',
-        '                    process_mtp_tv_loss(hidden_states, **mtp_tv_kwargs, metrics_only=True)',
-        '',
+        f'            if {_follows(output_processor)}:  # the loss on the main logits below',
+        *_split('                ', main=HIDDEN_VAR),
+        '            else:',
+        f'                {HIDDEN_VAR} = process_mtp_tv_loss(hidden_states, **{KWARGS_VAR})',
     ]
     replace = [
-        '        if mtp_tv and not runs_megatron_ce(self.config):',
-        '            # a loss on the main logits below only splits the hidden states here',
-        f'            if {_follows(output_processor)}:',
-        *_split('                '),
-        '            else:',
-        '                hidden_states = process_mtp_tv_loss(hidden_states, **mtp_tv_kwargs)',
+        f'        if {HIDDEN_VAR} is not None:',
+        f'            hidden_states = {HIDDEN_VAR}',
         f'        elif {INLINE_CONDITION}:',
     ]
     return before, replace
@@ -220,8 +206,9 @@ def expected_edits(facts: Facts) -> Dict[str, List[Tuple[List[str], List[str]]]]
         gpt += [(before, []), (replace, [f'        if {INLINE_CONDITION}:'])]
     else:
         call = facts.process_mtp_loss_call
-        gpt.append((snippet_wrapped_call(call, facts.postprocess_output_processor),
-                    snippet_process_mtp_loss_call(call)))
+        statement = snippet_process_mtp_loss_call(call)
+        gpt += [(new, statement[start:stop])
+                for start, stop, new in snippet_wrapped_call(call, facts.postprocess_output_processor)]
     gpt += [(snippet_attach(indent), []) for indent in facts.main_logits_projections]
     return {
         CONFIG_FILE: [(snippet_config_import(), []), (snippet_fields(), []), (snippet_validate(), [])],
