@@ -16,7 +16,9 @@ they run (a run cut short has the first ones):
   *official* head, trained to plateau on the model it ships with. The backbone alone is then
   moved the way RL moves a policy: fine-tuned on its own low-temperature samples of code
   (``drift_sharpen``), until the official head's validation alpha has dropped by at least
-  ``drift_target``. ``drift_before`` / ``drift_after`` score the head on both backbones. The
+  ``drift_target``; this part runs right after the ``'ce'`` cold arms, before the other losses',
+  since it decides whether the scenario holds. ``drift_before`` / ``drift_after`` score the head
+  on both backbones. The
   head, grafted onto the moved backbone, is healed with every loss: the same grid protocol
   (``heal_{loss}_lr{lr}_n{steps}_s{seed}``, ``test_heal_{loss}_s{seed}``).
 * ``joint``: the same fine-tuning of the backbone with the official head attached and trained
@@ -626,13 +628,20 @@ class Experiment:
                     'main_model': self.main_model_loss('original', sets.tf_test)}
 
         self.part('cold_init', {'heads': 'fresh', 'seed': p.seeds[0]}, init)
-        self.cold_lrs = self.run_losses('cold', p.cold_steps, p.lr_grid)
+        first, *others = p.loss_names()  # 'ce': the official head of the drift scenario
+        self.cold_lrs = self.run_losses('cold', p.cold_steps, p.lr_grid, [first])
+        if 'drift' in p.scenarios:
+            # Whether fine-tuning moves the backbone far enough decides the drift scenario: known
+            # before the other losses' cold arms, not hours later.
+            self.moved_backbone()
+        self.cold_lrs.update(self.run_losses('cold', p.cold_steps, p.lr_grid, others))
 
-    def run_losses(self, scenario: str, steps: int, grid: Tuple[float, ...]) -> Dict[str, float]:
-        """Every loss in turn: its grid on the first seed, then its best rate on every seed,
-        each seed's heads scored on the test split. Returns each loss's rate."""
+    def run_losses(self, scenario: str, steps: int, grid: Tuple[float, ...],
+                   losses: Optional[List[str]] = None) -> Dict[str, float]:
+        """Every loss in turn (default: the preset's): its grid on the first seed, then its best
+        rate on every seed, each seed's heads scored on the test split. Returns each loss's rate."""
         lrs = {}
-        for loss in self.preset.loss_names():
+        for loss in losses if losses is not None else self.preset.loss_names():
             lrs[loss] = self.best_lr(scenario, loss, steps, grid)
             for seed in self.preset.seeds:
                 arm = HeadsArm(scenario, loss, lrs[loss], seed, steps)
