@@ -16,7 +16,7 @@ Presets (``smollm2_lib.experiment.PRESETS``):
   smaller slice of the same code; a demonstration, not a ranking;
 * ``long`` (``make demo-smollm2 ARGS='--preset long'``): the fair protocol of
   docs/smollm2_demo.md: every loss on the same learning-rate grid at the full budget, three
-  seeds, the official head moved by a self-sharpened backbone and healed, joint training. Many
+  seeds, the official head on a backbone moved by SFT on English docs, healed; joint training. Many
   hours on two cores; every finished part is written at once (``--commit`` commits it), a
   rerun skips it, and an interrupted arm resumes from its last checkpoint.
 

@@ -182,7 +182,7 @@ def test_smoke_preset_runs_every_scenario_and_resumes(tmp_path):
         test = parts[f'test_cold_{loss}_s0']
         assert test['steps'] == last and test['lr'] in grid
         assert f'test_heal_{loss}_s0' in parts and f'joint_{loss}_s0' in parts
-    assert {'cold_init', 'drift_sharpen', 'drift_before', 'drift_after'} <= set(parts)
+    assert {'cold_init', 'drift_move', 'drift_before', 'drift_after'} <= set(parts)
     arm = parts[f"cold_tv_lr{parts['test_cold_tv_s0']['lr']:g}_n{last}_s0"]
     assert arm['common'] == preset.common() and arm['key']['loss'] == 'tv'
     assert [p['step'] for p in arm['curve']['validation']] == [0] + X.eval_points(

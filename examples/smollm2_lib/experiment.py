@@ -14,11 +14,10 @@ they run (a run cut short has the first ones):
   starts, so that an interrupted run loses no heads a later part needs.
 * ``drift`` (the seeds' scenario): the ``'ce'`` head of ``cold_ce_s0`` at its rate plays the
   *official* head, trained to plateau on the model it ships with. The backbone alone is then
-  moved the way RL moves a policy: fine-tuned on its own low-temperature samples of code
-  (``drift_sharpen``), until the official head's validation alpha has dropped by at least
-  ``drift_target``; this part runs right after the ``'ce'`` cold arms, before the other losses',
-  since it decides whether the scenario holds. ``drift_before`` / ``drift_after`` score the head
-  on both backbones. The
+  moved by SFT on another domain (English docs, ``pydoc``; ``drift_move``) until the official
+  head's alpha on code, where it serves, has dropped by at least ``drift_target``; this part
+  runs right after the ``'ce'`` cold arms, before the other losses', since it decides whether
+  the scenario holds. ``drift_before`` / ``drift_after`` score the head on both backbones. The
   head, grafted onto the moved backbone, is healed with every loss: the same grid protocol
   (``heal_{loss}_lr{lr}_n{steps}_s{seed}``, ``test_heal_{loss}_s{seed}``).
 * ``joint``: the same fine-tuning of the backbone with the official head attached and trained
@@ -77,15 +76,12 @@ class Preset:
     heal_lr_grid: Tuple[float, ...] = (1e-4, 3e-4, 1e-3)
     heal_steps: int = 200
     heal_eval_every: int = 25
-    sharpen_temperature: float = 0.5
-    sharpen_prompt: int = 128
-    """Tokens of real code that open each self-generated fine-tuning window."""
-    sharpen_windows: int = 192
-    sharpen_lr: float = 1e-4
-    """3e-5 moved the official head's alpha by -0.030 in 125 steps, then -0.001 per 25 steps:
-    short of ``drift_target`` within ``sharpen_max_steps``."""
-    sharpen_check_every: int = 25
-    sharpen_max_steps: int = 300
+    drift_lr: float = 1e-4
+    """Full fine-tuning on another domain (English docs) moves the backbone; fine-tuning on its
+    own samples at T=0.5 (577357c) did not move the official head's alpha far enough: -0.030 in
+    125 steps at lr 3e-5, then -0.001 per 25 steps; at 1e-4 -0.028 in 25 steps, then back up."""
+    drift_check_every: int = 25
+    drift_max_steps: int = 300
     drift_target: float = 0.05
     joint_seeds: Tuple[int, ...] = (0, 1)
     joint_mtp_scale: float = 0.1
@@ -138,9 +134,8 @@ PRESETS: Dict[str, Preset] = {
     'smoke': Preset(name='smoke', scenarios=('cold', 'drift', 'joint'), seeds=(0,), block=33,
                     losses=('ce', 'tv', 'nla'), stdlib_chars=25_000, warmup=1, lr_grid=(1e-3, 3e-3), lr_extensions=0,
                     cold_steps=4, eval_every=2, curve_windows=2, checkpoint_every=2,
-                    heal_lr_grid=(1e-3,), heal_steps=2, heal_eval_every=1, sharpen_prompt=8,
-                    sharpen_windows=4, sharpen_lr=1e-3, sharpen_check_every=1,
-                    sharpen_max_steps=2, drift_target=1.0, joint_seeds=(0,), context=8,
+                    heal_lr_grid=(1e-3,), heal_steps=2, heal_eval_every=1, drift_lr=1e-3, drift_check_every=1,
+                    drift_max_steps=2, drift_target=1.0, joint_seeds=(0,), context=8,
                     tf_windows=2, spec_prompts=3, spec_rounds=2, continuation_prompts=2,
                     batch=1, threads=1),
 }
@@ -326,6 +321,7 @@ class Experiment:
             raise ValueError(f'context {p.context}: evaluation windows of {2 * p.context} tokens '
                              f'do not fit blocks of {p.block}')
         self.code = DATA.load_domain('code', 'stdlib', tokenizer, p.stdlib_chars, p.block)
+        self.docs = DATA.load_domain('docs', 'pydoc', tokenizer, None, p.block)  # drift data
         self.roles = DATA.test_roles(self.code, p.tf_windows, p.spec_prompts,
                                      p.continuation_prompts)
         if p.curve_windows > self.code.validation.shape[0]:
@@ -664,40 +660,18 @@ class Experiment:
         """The official head: ``'ce'`` at its rate, trained to plateau on the original model."""
         return self.heads(self.official_arm())
 
-    def sharpen_data(self) -> Dict:
-        """The moved backbone's fine-tuning data: the original model's own continuations at
-        ``sharpen_temperature`` of the openings of training blocks (real code), and a mask on
-        the labels it generated: ``{'windows': [N, block - 1 + 1], 'mask': [block - 1]}``."""
-        from smollm2_lib import evaluate as E
-
-        p = self.preset
-
-        def make():
-            model = self.build(None, 'ce', backbone=self.backbones['original'])
-            prompts = self.code.train[: p.sharpen_windows, : p.sharpen_prompt]
-            windows = E.generate(model, prompts, p.block - p.sharpen_prompt,
-                                 p.sharpen_temperature, seed=23)
-            mask = torch.zeros(p.block - 1)
-            mask[p.sharpen_prompt - 1 :] = 1.0  # labels of generated tokens
-            return {'windows': windows, 'mask': mask}
-
-        key = {'data': 'sharpen', 'temperature': p.sharpen_temperature,
-               'prompt': p.sharpen_prompt, 'windows': p.sharpen_windows}
-        return self.kept_weights(key, make)
-
     def fine_tune(self, model, steps: int, seed: int, check=None) -> Dict:
         """``steps`` steps of full fine-tuning (the MTP loss too, if the model has heads) on the
-        sharpening data, batch 1, constant rate after warm-up; ``check(model, step)`` every
-        ``sharpen_check_every`` steps may stop it (returns True). Returns the curve."""
+        drift data, batch 1, constant rate after warm-up; ``check(model, step)`` every
+        ``drift_check_every`` steps may stop it (returns True). Returns the curve."""
         from cpu_demo_lib import model as M
         from mtp_tv_dev.models import forward_loss
 
         p = self.preset
-        data = self.sharpen_data()
-        windows, mask = data['windows'], data['mask'].unsqueeze(0)
+        windows, mask = self.docs.train, torch.ones(1, p.block - 1)
         order = window_order(windows.shape[0], steps, 1, seed)
         params = M.set_trainable(model, 'all')
-        optimizer = make_optimizer(params, p.sharpen_lr)
+        optimizer = make_optimizer(params, p.drift_lr)
         curve = {'step': [], 'main_loss': [], 'mtp_loss': [], 'checks': []}
         for step in range(1, steps + 1):
             block = windows[order[step - 1]]
@@ -706,13 +680,13 @@ class Experiment:
             main = (loss * mask).sum() / mask.sum()
             optimizer.zero_grad(set_to_none=True)
             main.backward()
-            set_lr(optimizer, p.sharpen_lr, step, p.warmup)
+            set_lr(optimizer, p.drift_lr, step, p.warmup)
             optimizer.step()
             losses = M.mtp_tracker_losses()
             curve['step'].append(step)
             curve['main_loss'].append(float(main.detach()))
             curve['mtp_loss'].append(None if losses is None else float(losses.mean()))
-            if check is not None and step % p.sharpen_check_every == 0:
+            if check is not None and step % p.drift_check_every == 0:
                 result = check(model, step)
                 curve['checks'].append({'step': step, **result})
                 if result.get('stop'):
@@ -721,9 +695,9 @@ class Experiment:
 
     def drift_key(self) -> Dict:
         p = self.preset
-        return {'backbone': 'moved', 'heads': self.official_key(), 'data': 'sharpen',
-                'temperature': p.sharpen_temperature, 'lr': p.sharpen_lr,
-                'max_steps': p.sharpen_max_steps, 'target': p.drift_target, 'seed': 41}
+        return {'backbone': 'moved', 'heads': self.official_key(), 'data': 'pydoc',
+                'sha256': self.docs.sha256, 'lr': p.drift_lr,
+                'max_steps': p.drift_max_steps, 'target': p.drift_target, 'seed': 41}
 
     def head_alpha(self, backbone_state: Dict, windows) -> Dict:
         """The official head's validation summary on ``backbone_state`` (states recomputed)."""
@@ -737,7 +711,7 @@ class Experiment:
         return self.validation_summary(heads_model, data)
 
     def moved_backbone(self) -> Dict:
-        """Part ``drift_sharpen``: the original backbone fine-tuned on its own samples until the
+        """Part ``drift_move``: the original backbone fine-tuned on the drift data until the
         official head's alpha on the curve windows fell by ``drift_target``; returns it."""
         p = self.preset
         key = self.drift_key()
@@ -757,9 +731,9 @@ class Experiment:
                 self.build(None, 'ce', backbone=state)  # the training model, restored
                 return {'alpha': alpha, 'stop': alpha <= target}
 
-            curve = self.fine_tune(model, p.sharpen_max_steps, seed=41, check=check)
+            curve = self.fine_tune(model, p.drift_max_steps, seed=41, check=check)
             state = self.backbone_of(model)
-            record = {'scenario': 'drift', 'steps': curve['step'][-1], 'lr': p.sharpen_lr,
+            record = {'scenario': 'drift', 'steps': curve['step'][-1], 'lr': p.drift_lr,
                       'curve': curve, 'head_before': before,
                       'target_reached': bool(curve['checks'] and curve['checks'][-1]['stop'])}
             return record, state
@@ -771,7 +745,7 @@ class Experiment:
             result['state'] = state
             return record
 
-        record = self.part('drift_sharpen', key, run)
+        record = self.part('drift_move', key, run)
         self.drift_steps = record['steps']
         state = self.kept_weights(key, lambda: result.get('state') or move()[1])
         self.backbones['moved'] = state
@@ -819,7 +793,7 @@ class Experiment:
                     sets = self.eval_sets(name, ('tf_test', 'tf_continuation', 'prompts'))
                     model = self.build(1, loss, joint=True, backbone=self.backbones[name],
                                        heads=heads)
-                    record = {'scenario': 'joint', 'loss': loss, 'seed': seed, 'lr': p.sharpen_lr,
+                    record = {'scenario': 'joint', 'loss': loss, 'seed': seed, 'lr': p.drift_lr,
                               'steps': self.drift_steps, 'depths': 1,
                               'mtp_loss_scaling_factor': p.joint_mtp_scale, 'curve': curve,
                               'final': self.final_eval(model, sets),

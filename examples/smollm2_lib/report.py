@@ -171,9 +171,9 @@ def recovery(parts: Dict[str, Dict], seeds: Sequence[int]) -> Dict[str, List]:
 
 
 def drift_summary(parts: Dict[str, Dict]) -> Dict:
-    if not {'drift_before', 'drift_after', 'drift_sharpen'} <= set(parts):
+    if not {'drift_before', 'drift_after', 'drift_move'} <= set(parts):
         return {}
-    before, after, move = parts['drift_before'], parts['drift_after'], parts['drift_sharpen']
+    before, after, move = parts['drift_before'], parts['drift_after'], parts['drift_move']
 
     def alpha(record, where):
         node = record[where] if where in ('validation', 'curve_validation') else \
@@ -313,9 +313,9 @@ def render(summary: Dict, preset: Preset) -> str:
         out += ['Test, each loss at its best rate:', '', table(summary['cold']), '']
     d = summary.get('drift')
     if d:
-        out += ['## Drift: the official `ce` head on a backbone moved by self-sharpening', '',
-                f"The backbone fine-tuned {d['steps']} steps (lr {d['lr']:g}) on its own "
-                f"samples at T={preset.sharpen_temperature:g}; the official head's alpha "
+        out += ['## Drift: the official `ce` head on a backbone moved by SFT on English docs', '',
+                f"The backbone fine-tuned {d['steps']} steps (lr {d['lr']:g}) on English docs "
+                f"(pydoc); the official head's alpha on code "
                 f"(T=1) before -> after: curve windows {d['curve_validation']['before']:.3f} -> "
                 f"{d['curve_validation']['after']:.3f}, whole validation "
                 f"{d['validation']['before']:.3f} -> {d['validation']['after']:.3f} "
