@@ -322,7 +322,8 @@ class Experiment:
             raise ValueError(f'context {p.context}: evaluation windows of {2 * p.context} tokens '
                              f'do not fit blocks of {p.block}')
         self.code = DATA.load_domain('code', 'stdlib', tokenizer, p.stdlib_chars, p.block)
-        self.docs = DATA.load_domain('docs', 'pydoc', tokenizer, None, p.block)  # drift data
+        if {'drift', 'joint'} & set(p.scenarios):  # the data that moves the backbone
+            self.docs = DATA.load_domain('docs', 'pydoc', tokenizer, None, p.block)
         self.roles = DATA.test_roles(self.code, p.tf_windows, p.spec_prompts,
                                      p.continuation_prompts)
         if p.curve_windows > self.code.validation.shape[0]:

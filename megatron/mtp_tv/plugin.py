@@ -34,8 +34,6 @@ import sys
 import threading
 from typing import Callable, Dict, List
 
-import torch
-
 from . import config as _config
 from .fields import MTPLossConfig, field_docstrings
 
