@@ -153,6 +153,21 @@ def _run_demo(args, env_extra=None):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+def _cache_sharing_the_converted_checkpoint(folder: Path) -> Path:
+    """A cache folder of its own (its ``runs`` checkpoints start empty) whose converted
+    checkpoint files are links to the shared cache's: a second 540 MB copy, and a second
+    minute of dequantising the GGUF file, would test nothing more."""
+    from smollm2_lib import weights as W
+
+    W.load_hf()  # converts into the shared cache if it is not there yet
+    shared = Path(W.default_cache_dir())
+    folder.mkdir()
+    for path in shared.iterdir():
+        if path.is_file():
+            (folder / path.name).symlink_to(path)
+    return folder
+
+
 @pytest.mark.slow
 def test_smoke_preset_runs_every_scenario_and_resumes(tmp_path):
     """The command end to end on the ``smoke`` preset: every scenario of the ``long`` preset
@@ -163,7 +178,8 @@ def test_smoke_preset_runs_every_scenario_and_resumes(tmp_path):
     import json
 
     pytest.importorskip('transformers', reason='the pinned Hugging Face stack (make setup-hf)')
-    out, cache = tmp_path / 'results', tmp_path / 'cache'
+    out = tmp_path / 'results'
+    cache = _cache_sharing_the_converted_checkpoint(tmp_path / 'cache')
     cpu_before = _children_cpu_seconds()
     res = _run_demo(['--preset', 'smoke', '--results-dir', str(out), '--cache-dir', str(cache)])
     cpu = _children_cpu_seconds() - cpu_before
