@@ -13,7 +13,9 @@ training) with the teacher-forced stats and the speculative-decoding stats of th
 import json
 import math
 import os
-from typing import Dict, List, Optional
+import subprocess
+import time
+from typing import Dict, List, Optional, Sequence
 
 from .arms import arm_kind
 
@@ -65,6 +67,49 @@ def paired_difference(a: List[int], b: List[int]) -> Dict:
     mean = sum(diffs) / n
     var = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else float('nan')
     return {'mean': mean, 'se': math.sqrt(var / n), 'n': n}
+
+
+#: Standard errors a mean difference over seeds must exceed to be called resolved.
+RESOLVED_AT = 2.0
+
+
+def mean_of(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def standard_error(values: Sequence[float]) -> float:
+    """Standard error of the mean (nan for fewer than two values)."""
+    n = len(values)
+    if n < 2:
+        return float('nan')
+    mean = mean_of(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+def seed_difference(a: Dict[int, List[float]], b: Dict[int, List[float]]) -> Dict:
+    """``a - b`` with seeds as the unit of variance.
+
+    ``a`` and ``b`` map a seed to per-unit values (prompts or windows, the same units in the
+    same order for both). Per seed: the paired mean difference and its standard error over the
+    units; then the mean over seeds, its standard error across seeds (``se_seeds``) and the
+    units' one (``se_units``). *Resolved* when every seed's difference has the same sign and the
+    mean exceeds ``RESOLVED_AT`` times both standard errors (so never with one seed)."""
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        return {}
+    per_seed, unit_se = [], []
+    for s in seeds:
+        diffs = [x - y for x, y in zip(a[s], b[s])]
+        per_seed.append(mean_of(diffs))
+        unit_se.append(standard_error(diffs))
+    mean = mean_of(per_seed)
+    se_seeds = standard_error(per_seed)
+    se_units = math.sqrt(sum(se ** 2 for se in unit_se)) / len(seeds)
+    same_sign = all(d > 0 for d in per_seed) or all(d < 0 for d in per_seed)
+    resolved = bool(same_sign and len(seeds) > 1 and abs(mean) > RESOLVED_AT * se_seeds
+                    and abs(mean) > RESOLVED_AT * se_units)
+    return {'seeds': seeds, 'per_seed': per_seed, 'mean': mean, 'se_seeds': se_seeds,
+            'se_units': se_units, 'resolved': resolved}
 
 
 def _row(record: Dict, mode: str, label: str) -> Dict:
@@ -178,6 +223,23 @@ def write_json(path: str, payload: Dict) -> None:
     with open(path, 'w') as f:
         json.dump(payload, f, indent=1, sort_keys=False)
         f.write('\n')
+
+
+def commit_files(paths: Sequence[str], message: str) -> bool:
+    """``git commit`` exactly ``paths`` (a long experiment's finished part, so that an
+    interrupted run resumes from what is committed). Another git command holding the index is
+    waited for and retried; a failure is reported, never fatal: the files are written."""
+    cwd = os.path.dirname(os.path.abspath(paths[0]))
+    for attempt in range(5):
+        done = subprocess.run(['git', 'add', '--', *paths], cwd=cwd,
+                              capture_output=True).returncode == 0 and subprocess.run(
+            ['git', 'commit', '-q', '-m', message, '--', *paths], cwd=cwd,
+            capture_output=True).returncode == 0
+        if done:
+            return True
+        time.sleep(2 + 3 * attempt)
+    print(f'written, but git commit failed; commit {" ".join(paths)} by hand', flush=True)
+    return False
 
 
 def pyplot():

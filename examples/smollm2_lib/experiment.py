@@ -37,12 +37,13 @@ import hashlib
 import json
 import math
 import os
-import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+
+from cpu_demo_lib.report import commit_files
 
 #: Bumped when a change to the code changes what a part computes: old parts are then rerun.
 EXPERIMENT_VERSION = 2
@@ -183,22 +184,8 @@ class Store:
             f.write('\n')
         os.replace(path + '.tmp', path)  # a killed run never leaves half a part behind
         if self.commit:
-            self._commit(name, path)
+            commit_files([path], f'smollm2 results: part {name}')
         return record
-
-    def _commit(self, name: str, path: str) -> None:
-        """Commit one part file alone; a failure (another git command holding the index) is
-        retried, then reported, never fatal: the file is written and a rerun keeps it."""
-        for attempt in range(5):
-            add = subprocess.run(['git', 'add', path], cwd=self.directory, capture_output=True)
-            done = add.returncode == 0 and subprocess.run(
-                ['git', 'commit', '-q', '-m', f'smollm2 results: part {name}', '--', path],
-                cwd=self.directory, capture_output=True).returncode == 0
-            if done:
-                return
-            time.sleep(2 + 3 * attempt)
-        print(f'part {name}: written, but git commit failed; commit {path} by hand',
-              flush=True)
 
     def all(self) -> Dict[str, Dict]:
         """Every stored part made under the same common settings (for the report)."""

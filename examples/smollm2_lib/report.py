@@ -21,49 +21,15 @@ import math
 import os
 from typing import Dict, List, Optional, Sequence
 
-from cpu_demo_lib.report import pyplot, save_figure
+from cpu_demo_lib.report import (RESOLVED_AT, mean_of, pyplot, save_figure, seed_difference,
+                                 standard_error)
 
 from .experiment import Preset, Store, depth_one_losses, point_at
 
-RESOLVED_AT = 2.0  # standard errors
 MODES = {'T=1': 'spec_sampled', 'greedy': 'spec_greedy'}
 ESTIMATORS = {'counted': 'per_prompt', 'rao_blackwell': 'per_prompt_rao_blackwell'}
 COLORS = {'ce': '#1f77b4', 'tv': '#d62728', 'e2e_tv': '#2ca02c', 'kl': '#9467bd',
           'lk': '#ff7f0e', 'nla': '#8c564b'}
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values)
-
-
-def _se(values: Sequence[float]) -> float:
-    """Standard error of the mean (nan for fewer than two values)."""
-    n = len(values)
-    if n < 2:
-        return float('nan')
-    mean = _mean(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
-
-
-def seed_difference(a: Dict[int, List[float]], b: Dict[int, List[float]]) -> Dict:
-    """``a - b``: per seed the paired mean over units (prompts or windows) and its standard
-    error, then the mean over seeds with both standard errors, and the verdict."""
-    seeds = sorted(set(a) & set(b))
-    per_seed, unit_se = [], []
-    for s in seeds:
-        diffs = [x - y for x, y in zip(a[s], b[s])]
-        per_seed.append(_mean(diffs))
-        unit_se.append(_se(diffs))
-    if not seeds:
-        return {}
-    mean = _mean(per_seed)
-    se_seeds = _se(per_seed)
-    se_units = math.sqrt(sum(se ** 2 for se in unit_se)) / len(seeds)
-    same_sign = all(d > 0 for d in per_seed) or all(d < 0 for d in per_seed)
-    resolved = bool(same_sign and len(seeds) > 1 and abs(mean) > RESOLVED_AT * se_seeds
-                    and abs(mean) > RESOLVED_AT * se_units)
-    return {'seeds': seeds, 'per_seed': per_seed, 'mean': mean, 'se_seeds': se_seeds,
-            'se_units': se_units, 'resolved': resolved}
 
 
 def _units(records: List[Dict], path: Sequence[str]) -> Dict[int, List[float]]:
@@ -78,7 +44,7 @@ def _units(records: List[Dict], path: Sequence[str]) -> Dict[int, List[float]]:
 
 
 def _over_seeds(values: Sequence[float]) -> Dict:
-    return {'mean': _mean(values), 'se': _se(values), 'n': len(values)}
+    return {'mean': mean_of(values), 'se': standard_error(values), 'n': len(values)}
 
 
 def arm_row(loss: str, records: List[Dict], baseline: Optional[List[Dict]]) -> Dict:
@@ -89,12 +55,12 @@ def arm_row(loss: str, records: List[Dict], baseline: Optional[List[Dict]]) -> D
     for mode, spec in MODES.items():
         for estimator, key in ESTIMATORS.items():
             units = _units(records, [spec, key])
-            per_seed = [1.0 + _mean(units[s]) for s in sorted(units)]
+            per_seed = [1.0 + mean_of(units[s]) for s in sorted(units)]
             row[f'tokens {mode} {estimator}'] = _over_seeds(per_seed)
             row[f'per seed {mode} {estimator}'] = per_seed
             if baseline:
                 diff = seed_difference(units, _units(baseline, [spec, key]))
-                base = _mean([1.0 + _mean(v) for v in _units(baseline, [spec, key]).values()])
+                base = mean_of([1.0 + mean_of(v) for v in _units(baseline, [spec, key]).values()])
                 row[f'vs {mode} {estimator}'] = diff
                 row[f'gain% {mode} {estimator}'] = 100 * diff['mean'] / base
     for key, name in (('tf_test', 'text'), ('tf_continuation', 'continuations')):
