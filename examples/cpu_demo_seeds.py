@@ -26,7 +26,7 @@ experiment resumes (``--commit`` commits each record as it is written). Writes `
 and ``summary.json`` to ``--results-dir`` and prints the report.
 
     .venv/bin/python examples/cpu_demo_seeds.py --commit        # the evidence: ~2 CPU-hours
-    .venv/bin/python examples/cpu_demo_seeds.py -- --steps-cold 400   # demo flags after --
+    .venv/bin/python examples/cpu_demo_seeds.py -- --arms ce,tv,cold_ce,cold_kl   # demo flags
 """
 
 import argparse
@@ -86,12 +86,21 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, ar
         p.error(f'--lr-factors {args.lr_factors}: positive factors')
     if args.lr_extensions < 0:
         p.error(f'--lr-extensions must be >= 0, got {args.lr_extensions}')
-    for flag in ('--seed', '--heal-lr', '--cold-lr', '--arms', '--out-dir'):
-        if flag in demo_argv:
+    for flag in ('--seed', '--heal-lr', '--cold-lr', '--out-dir'):
+        if any(a == flag or a.startswith(flag + '=') for a in demo_argv):
             p.error(f'{flag} is set by this script, not passed to the demo')
     demo_args = cpu_demo.parse_args(demo_argv)
-    args.demo_argv = demo_argv
+    args.demo_argv = without_arms(demo_argv)  # each run names its own arms
     return args, demo_args
+
+
+def without_arms(argv: List[str]) -> List[str]:
+    out, skip = [], False
+    for a in argv:
+        if not skip and a != '--arms' and not a.startswith('--arms='):
+            out.append(a)
+        skip = a == '--arms'
+    return out
 
 
 def half_decade(factor: float, up: bool) -> float:
@@ -196,7 +205,10 @@ def summarize(chosen: Dict[str, float], scores: Dict[str, Dict[float, float]],
     tables = {}
     for scenario, kinds in (('warm', ('warm', 'serve')), ('cold', ('cold',))):
         members = [arm for arm in chosen if arm_kind(arm)[0] in kinds]
-        for mode in MODES if scenario == 'warm' else ('T=1', 'greedy'):
+        for mode in MODES:  # the serving temperature: warm arms, and only beside serve arms
+            if not members or any(mode not in per_seed[s][arm]['accepted'][arm]
+                                  for s in per_seed for arm in members):
+                continue
             units = {arm: {s: accepted(per_seed[s][arm], arm, mode) for s in per_seed}
                      for arm in members}
             rows = []
