@@ -229,7 +229,8 @@ def commit_files(paths: Sequence[str], message: str) -> bool:
     """``git commit`` exactly ``paths`` (a long experiment's finished part, so that an
     interrupted run resumes from what is committed). Another git command holding the index is
     waited for and retried; a failure is reported, never fatal: the files are written."""
-    cwd = os.path.dirname(os.path.abspath(paths[0]))
+    paths = [os.path.abspath(p) for p in paths]
+    cwd = os.path.dirname(paths[0])
     for attempt in range(5):
         done = subprocess.run(['git', 'add', '--', *paths], cwd=cwd,
                               capture_output=True).returncode == 0 and subprocess.run(
