@@ -271,6 +271,38 @@ def render(summary: Dict, gamma: int, serving_temperature: float) -> str:
     return '\n'.join(lines)
 
 
+def plot(path: str, summary: Dict, gamma: int) -> Optional[str]:
+    """Gain over ``'ce'`` in accepted drafts per verify step, one panel per scenario (T=1 and
+    greedy): a dot per seed, the mean over seeds with a bar of 2 standard errors across seeds
+    (filled: resolved). Returns why it was skipped, or None."""
+    plt, why_not = R.pyplot()
+    if plt is None:
+        return why_not
+    panels = [name for name in ('warm T=1', 'warm greedy', 'cold T=1', 'cold greedy')
+              if name in summary['tables']]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2), squeeze=False)
+    for ax, name in zip(axes[0], panels):
+        scenario, mode = name.split()
+        ref = REFERENCES[scenario][0]
+        rows = [row for row in summary['tables'][name] if f'vs {ref}' in row]
+        for y, row in enumerate(rows):
+            d = row[f'vs {ref}']
+            color = R.arm_color(row['arm'])
+            ax.scatter(d['per_seed'], [y] * len(d['per_seed']), s=12, color=color, alpha=0.5)
+            ax.errorbar(d['mean'], y, xerr=R.RESOLVED_AT * d['se_seeds'], fmt='o', color=color,
+                        mfc=color if d['resolved'] else 'white', capsize=3)
+        ax.axvline(0, color='grey', lw=0.8)
+        ax.set_yticks(range(len(rows)), [row['arm'] for row in rows], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(f"{'grafted heads, healed' if scenario == 'warm' else 'fresh heads'}, "
+                     f'{mode}', fontsize=9)
+        ax.set_xlabel(f"accepted drafts (of {gamma}) minus {ref!r}", fontsize=8)
+    seeds = ', '.join(map(str, summary['seeds']))
+    R.save_figure(plt, fig, path, f'CPU toy, seeds {seeds}: dots are seeds; filled = resolved '
+                  '(every seed one sign, mean beyond 2 SE)', 120)
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args, demo_args = parse_args(argv)
     runs = Runs(args, demo_args)
@@ -283,10 +315,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     summary['wall_s_this_invocation'] = runs.wall_s
     text = render(summary, demo_args.gamma or demo_args.mtp_num_layers,
                   demo_args.serving_temperature)
-    outputs = [os.path.join(args.results_dir, name) for name in ('summary.json', 'report.md')]
+    outputs = [os.path.join(args.results_dir, name) for name in ('summary.json', 'report.md',
+                                                                  'gains.png')]
     R.write_json(outputs[0], summary)
     with open(outputs[1], 'w') as f:
         f.write(text + '\n')
+    skipped = plot(outputs[2], summary, demo_args.gamma)
+    if skipped:
+        print(f'plot: skipped, {skipped}')
+        outputs.pop()
     if args.commit:
         R.commit_files(outputs, 'cpu_demo_seeds: report')
     print(text)

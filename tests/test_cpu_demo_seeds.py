@@ -67,6 +67,7 @@ def test_runs_every_seed_applies_the_rule_and_resumes(tmp_path):
         beyond = abs(got['mean']) > 2 * got['se_seeds'] and abs(got['mean']) > 2 * got['se_units']
         assert got['resolved'] == (one_sign and beyond)
     assert (results / 'report.md').read_text().strip() in res.stdout
+    assert (results / 'gains.png').stat().st_size > 10_000
 
     rerun = run_seeds(*args)  # every run's record exists: nothing runs again
     assert rerun.returncode == 0, rerun.stderr[-3000:]
