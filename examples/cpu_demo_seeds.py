@@ -62,7 +62,7 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, ar
     p.add_argument('--seeds', default='1,2,3', help='the seeds the claims rest on (at least 3)')
     p.add_argument('--lr-factors', default='0.3,1,3',
                    help="the grid: factors of the demo's --heal-lr and --cold-lr")
-    p.add_argument('--lr-extensions', type=int, default=1,
+    p.add_argument('--lr-extensions', type=int, default=3,
                    help='half-decades the grid may grow past a winning end, per arm')
     p.add_argument('--results-dir', default=os.path.join('examples', 'cpu_demo_results'),
                    help="runs/ (each demo run's record), report.md and summary.json")
