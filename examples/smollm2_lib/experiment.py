@@ -77,11 +77,13 @@ class Preset:
     heal_lr_grid: Tuple[float, ...] = (1e-4, 3e-4, 1e-3)
     heal_steps: int = 200
     heal_eval_every: int = 25
-    drift_lrs: Tuple[float, ...] = (3e-4, 1e-3)
+    drift_lrs: Tuple[float, ...] = (1e-3, 3e-3)
     """Rates of the backbone's fine-tuning on English docs, tried in turn: the first that lowers
-    the official head's alpha by ``drift_target`` within ``drift_max_steps`` moves it. 1e-4
-    moved it by 0.003 in 50 steps; the model's own samples at T=0.5 (577357c) by 0.030 in 125
-    steps at 3e-5, then 0.001 per 25 steps, and at 1e-4 by 0.028 at step 25, then back up."""
+    the official head's alpha by ``drift_target`` within ``drift_max_steps`` moves it. Slower
+    rates fell short: 1e-4 moved it by 0.007 in 75 steps; 3e-4 (88b2da0, run twice) by 0.018,
+    0.008, 0.022, 0.033, 0.016, 0.023, 0.034 at steps 25..175; the model's own samples at
+    T=0.5 (577357c) by 0.030 in 125 steps at 3e-5, then 0.001 per 25 steps, and at 1e-4 by
+    0.028 at step 25, then back up."""
     drift_check_every: int = 25
     drift_max_steps: int = 300
     drift_target: float = 0.05
@@ -649,10 +651,13 @@ class Experiment:
         """The official head: ``'ce'`` at its rate, trained to plateau on the original model."""
         return self.heads(self.official_arm())
 
-    def fine_tune(self, model, steps: int, seed: int, lr: float, check=None) -> Dict:
+    def fine_tune(self, model, steps: int, seed: int, lr: float, check=None,
+                  checkpoint: Optional[str] = None) -> Dict:
         """``steps`` steps of full fine-tuning (the MTP loss too, if the model has heads) on the
         drift data, batch 1, constant rate after warm-up; ``check(model, step)`` every
-        ``drift_check_every`` steps may stop it (returns True). Returns the curve."""
+        ``drift_check_every`` steps may stop it (returns True). Every ``checkpoint_every`` steps
+        (at a check that did not stop it) the model, optimiser and curve go to ``checkpoint``
+        (if given), where a rerun resumes. Returns the curve."""
         from cpu_demo_lib import model as M
         from mtp_tv_dev.models import forward_loss
 
@@ -662,7 +667,14 @@ class Experiment:
         params = M.set_trainable(model, 'all')
         optimizer = make_optimizer(params, lr)
         curve = {'step': [], 'main_loss': [], 'mtp_loss': [], 'checks': []}
-        for step in range(1, steps + 1):
+        done = 0
+        if checkpoint and os.path.exists(checkpoint):
+            saved = torch.load(checkpoint)
+            model.load_state_dict({**model.state_dict(), **saved['model']})
+            optimizer.load_state_dict(saved['optimizer'])
+            done, curve = saved['step'], saved['curve']
+            self.log(f'fine-tuning at lr {lr:g}: resumed at step {done}')
+        for step in range(done + 1, steps + 1):
             block = windows[order[step - 1]]
             model.train()
             loss = forward_loss(model, block[:, :-1], block[:, 1:], mask)
@@ -680,6 +692,11 @@ class Experiment:
                 curve['checks'].append({'step': step, **result})
                 if result.get('stop'):
                     break
+                if checkpoint and step % p.checkpoint_every == 0 and step < steps:
+                    self._save(checkpoint, {
+                        'step': step, 'curve': curve, 'optimizer': optimizer.state_dict(),
+                        'model': {k: v for k, v in model.state_dict().items()
+                                  if torch.is_tensor(v)}})
         return curve
 
     def drift_key(self) -> Dict:
@@ -704,6 +721,8 @@ class Experiment:
         official head's alpha on the curve windows fell by ``drift_target``; returns it."""
         p = self.preset
         key = self.drift_key()
+        checkpoints = {lr: self._runs_path(f"drift-{self.store.fingerprint({**key, 'lr': lr})}.pt")
+                       for lr in p.drift_lrs}
 
         def move() -> Tuple[Dict, Dict]:
             windows = self.code.validation[: p.curve_windows, : 2 * p.context]
@@ -722,7 +741,8 @@ class Experiment:
             attempts = []
             for lr in p.drift_lrs:  # from the original backbone each time
                 model = self.build(None, 'ce', backbone=self.backbones['original'])
-                curve = self.fine_tune(model, p.drift_max_steps, seed=41, lr=lr, check=check)
+                curve = self.fine_tune(model, p.drift_max_steps, seed=41, lr=lr, check=check,
+                                       checkpoint=checkpoints[lr])
                 reached = bool(curve['checks'] and curve['checks'][-1]['stop'])
                 attempts.append({'lr': lr, 'steps': curve['step'][-1], 'curve': curve,
                                  'target_reached': reached})
@@ -740,6 +760,9 @@ class Experiment:
             return record
 
         record = self.part('drift_move', key, run)
+        for path in checkpoints.values():  # 1.6 GB each, of use only until the part is stored
+            if path and os.path.exists(path):
+                os.remove(path)
         self.drift_steps, self.drift_lr = record['steps'], record['lr']
         state = self.kept_weights(key, lambda: result.get('state') or move()[1])
         self.backbones['moved'] = state
