@@ -80,7 +80,7 @@ class Preset:
     drift_lrs: Tuple[float, ...] = (1e-3, 3e-3)
     """Rates of the backbone's fine-tuning on English docs, tried in turn: the first that lowers
     the official head's alpha by ``drift_target`` within ``drift_max_steps`` moves it. Slower
-    rates fell short: 1e-4 moved it by 0.007 in 75 steps; 3e-4 (88b2da0, run twice) by 0.018,
+    rates fell short: 1e-4 moved it by 0.007 in 75 steps; 3e-4 (88b2da0) by 0.018,
     0.008, 0.022, 0.033, 0.016, 0.023, 0.034 at steps 25..175; the model's own samples at
     T=0.5 (577357c) by 0.030 in 125 steps at 3e-5, then 0.001 per 25 steps, and at 1e-4 by
     0.028 at step 25, then back up."""
