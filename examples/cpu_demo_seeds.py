@@ -205,14 +205,17 @@ def summarize(chosen: Dict[str, float], scores: Dict[str, Dict[float, float]],
     tables = {}
     for scenario, kinds in (('warm', ('warm', 'serve')), ('cold', ('cold',))):
         members = [arm for arm in chosen if arm_kind(arm)[0] in kinds]
-        for mode in MODES:  # the serving temperature: warm arms, and only beside serve arms
-            if not members or any(mode not in per_seed[s][arm]['accepted'][arm]
-                                  for s in per_seed for arm in members):
+        for mode in MODES:
+            # The demo verifies warm arms at the serving temperature only in a run with a serve_*
+            # arm: the arms that ran without one (at another rate) are left out of that table.
+            verified = [arm for arm in members
+                        if all(mode in per_seed[s][arm]['accepted'][arm] for s in per_seed)]
+            if not verified:
                 continue
             units = {arm: {s: accepted(per_seed[s][arm], arm, mode) for s in per_seed}
-                     for arm in members}
+                     for arm in verified}
             rows = []
-            for arm in members:
+            for arm in verified:
                 values = [R.mean_of(units[arm][s]) for s in sorted(per_seed)]
                 row = {'arm': arm, 'lr_factor': chosen[arm], 'per_seed': values,
                        'mean': R.mean_of(values), 'se_seeds': R.standard_error(values)}
