@@ -44,9 +44,9 @@ import cpu_demo  # noqa: E402
 from cpu_demo_lib import report as R  # noqa: E402
 from cpu_demo_lib.arms import arm_kind  # noqa: E402
 
-#: Comparisons of each scenario: (arm, reference arm) pairs are formed within a scenario.
+#: The arms every other arm of a scenario is compared with (serve_* arms belong to 'warm').
 REFERENCES = {'warm': ('ce', 'tv'), 'cold': ('cold_ce', 'cold_tv')}
-#: mode -> (evaluation key of the speculative-decoding record, title)
+#: mode -> the demo's key of its speculative-decoding record (T=1, greedy, serving temperature)
 MODES = {'T=1': 'speculative', 'greedy': 'speculative_greedy', 'serving': 'speculative_serving'}
 
 
@@ -190,13 +190,17 @@ def select_rates(runs: Runs, seed: int, arms: Sequence[str], factors: Sequence[f
 
 
 def seed_results(runs: Runs, seeds: Sequence[int], chosen: Dict[str, float]) -> Dict[int, Dict]:
-    """Per seed, arm -> the ``results.json`` holding it (one demo run per distinct factor)."""
+    """Per seed, arm -> the run record holding it (one demo run per distinct factor)."""
     groups: Dict[float, List[str]] = {}
     for arm, factor in chosen.items():
         groups.setdefault(factor, []).append(arm)
-    return {seed: {arm: results for factor, group in sorted(groups.items())
-                   for results in [runs.get(seed, factor, group)] for arm in group}
-            for seed in seeds}
+    out: Dict[int, Dict] = {}
+    for seed in seeds:
+        out[seed] = {}
+        for factor, group in sorted(groups.items()):
+            record = runs.get(seed, factor, group)
+            out[seed].update(dict.fromkeys(group, record))
+    return out
 
 
 def summarize(chosen: Dict[str, float], scores: Dict[str, Dict[float, float]],
