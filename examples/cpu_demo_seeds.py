@@ -145,11 +145,11 @@ class Runs:
         self.wall_s += time.monotonic() - t0
         with open(os.path.join(folder, 'results.json')) as f:
             results = json.load(f)
+        finals = {arm: final_record(results, arm) for arm in arms}
         record = {'argv': argv, 'settings': results['settings'],
                   'timings_s': results['timings_s'], 'accepted': {
-                      arm: {mode: final_record(results, arm)[key]['per_prompt']
-                            for mode, key in MODES.items() if key in final_record(results, arm)}
-                      for arm in arms}}
+                      arm: {mode: final[key]['per_prompt'] for mode, key in MODES.items()
+                            if key in final} for arm, final in finals.items()}}
         R.write_json(path, record)
         if self.commit:
             R.commit_files([path], f'cpu_demo_seeds: run {name}')

@@ -155,11 +155,11 @@ def _run_demo(args, env_extra=None):
 
 def _cache_sharing_the_converted_checkpoint(folder: Path) -> Path:
     """A cache folder of its own (its ``runs`` checkpoints start empty) whose converted
-    checkpoint files are links to the shared cache's: a second 540 MB copy, and a second
-    minute of dequantising the GGUF file, would test nothing more."""
+    checkpoint files are links to the shared cache's (the ``smollm2`` fixture converted it): a
+    second 540 MB copy, and a second minute of dequantising the GGUF file, would test nothing
+    more."""
     from smollm2_lib import weights as W
 
-    W.load_hf()  # converts into the shared cache if it is not there yet
     shared = Path(W.default_cache_dir())
     folder.mkdir()
     for path in shared.iterdir():
@@ -169,7 +169,7 @@ def _cache_sharing_the_converted_checkpoint(folder: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_smoke_preset_runs_every_scenario_and_resumes(tmp_path):
+def test_smoke_preset_runs_every_scenario_and_resumes(tmp_path, smollm2):
     """The command end to end on the ``smoke`` preset: every scenario of the ``long`` preset
     (the learning-rate grid at the full budget, every seed's test,
     the moved backbone and the healing grid, joint training) on 32-token windows; its report,
@@ -177,7 +177,6 @@ def test_smoke_preset_runs_every_scenario_and_resumes(tmp_path):
     part alone, reading the heads and the moved backbone it needs from the cache folder."""
     import json
 
-    pytest.importorskip('transformers', reason='the pinned Hugging Face stack (make setup-hf)')
     out = tmp_path / 'results'
     cache = _cache_sharing_the_converted_checkpoint(tmp_path / 'cache')
     cpu_before = _children_cpu_seconds()

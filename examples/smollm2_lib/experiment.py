@@ -79,11 +79,8 @@ class Preset:
     heal_eval_every: int = 25
     drift_lrs: Tuple[float, ...] = (1e-3, 3e-3)
     """Rates of the backbone's fine-tuning on English docs, tried in turn: the first that lowers
-    the official head's alpha by ``drift_target`` within ``drift_max_steps`` moves it. Slower
-    rates fell short: 1e-4 moved it by 0.007 in 75 steps; 3e-4 (88b2da0) by 0.018,
-    0.008, 0.022, 0.033, 0.016, 0.023, 0.034 at steps 25..175; the model's own samples at
-    T=0.5 (577357c) by 0.030 in 125 steps at 3e-5, then 0.001 per 25 steps, and at 1e-4 by
-    0.028 at step 25, then back up."""
+    the official head's alpha by ``drift_target`` within ``drift_max_steps`` moves it (what
+    slower rates and the model's own samples did: docs/smollm2_demo.md, Protocol)."""
     drift_check_every: int = 25
     drift_max_steps: int = 300
     drift_target: float = 0.05
@@ -138,8 +135,9 @@ PRESETS: Dict[str, Preset] = {
     'smoke': Preset(name='smoke', scenarios=('cold', 'drift', 'joint'), seeds=(0,), block=33,
                     losses=('ce', 'tv', 'nla'), stdlib_chars=25_000, warmup=1, lr_grid=(1e-3, 3e-3), lr_extensions=0,
                     cold_steps=4, eval_every=2, curve_windows=2, checkpoint_every=2,
-                    heal_lr_grid=(1e-3,), heal_steps=2, heal_eval_every=1, drift_lrs=(1e-3,), drift_check_every=1,
-                    drift_max_steps=2, drift_target=1.0, joint_seeds=(0,), context=8,
+                    heal_lr_grid=(1e-3,), heal_steps=2, heal_eval_every=1, drift_lrs=(1e-3,),
+                    drift_check_every=1, drift_max_steps=2, drift_target=1.0, joint_seeds=(0,),
+                    context=8,
                     tf_windows=2, spec_prompts=3, spec_rounds=2, continuation_prompts=2,
                     batch=1, threads=1),
 }
