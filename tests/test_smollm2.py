@@ -208,6 +208,7 @@ def test_smoke_preset_runs_every_scenario_and_resumes(tmp_path, smollm2):
     summary = json.loads((out / 'summary.json').read_text())
     assert [row['label'] for row in summary['cold']] == losses
     assert '## Cold start' in res.stdout and '## Joint' in res.stdout
+    assert summary['pending'] == [] and 'Incomplete' not in res.stdout
     assert (out / 'report.md').read_text().strip() == res.stdout.strip()
     assert (out / 'smollm2_curves.png').stat().st_size > 10_000
     # A smoke run stays one: CPU time, not wall time, which doubles when the other pytest-xdist
@@ -339,6 +340,24 @@ def test_report_resolves_a_difference_only_when_every_seed_agrees():
     assert 'vs T=1 counted' not in rows['ce']  # the baseline is not compared with itself
     one = R.seed_difference({0: tv[0]}, {0: ce[0]})
     assert one['mean'] > 0 and not one['resolved']  # one seed never resolves a difference
+
+
+def test_an_interrupted_runs_report_says_what_it_lacks():
+    """The report of a run stopped after some parts names, by scenario and loss, every final
+    part of the protocol not yet stored."""
+    import dataclasses
+
+    from smollm2_lib import experiment as X
+    from smollm2_lib import report as R
+
+    preset = dataclasses.replace(X.PRESETS['long'], losses=('ce', 'tv'))
+    parts = {f'test_cold_ce_s{s}': _synthetic_test('ce', s, [0.2, 0.3]) for s in preset.seeds}
+    parts['test_cold_tv_s0'] = _synthetic_test('tv', 0, [0.3, 0.3])
+    summary = R.summarize(parts, preset)
+    assert summary['pending'][:3] == ['test_cold_tv_s1', 'test_cold_tv_s2', 'drift_before']
+    assert ('not yet run: cold `tv` (seeds 1, 2), drift_before, drift_after, heal `ce` (seeds 0, '
+            '1, 2), heal `tv` (seeds 0, 1, 2), joint `ce` (seeds 0, 1), joint `tv` (seeds 0, 1).'
+            ) in R.render(summary, preset)
 
 
 def test_grid_extends_past_a_winning_edge(tmp_path):

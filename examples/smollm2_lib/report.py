@@ -180,10 +180,43 @@ def joint_rows(parts: Dict[str, Dict], seeds: Sequence[int]) -> List[Dict]:
     return rows
 
 
+def pending(parts: Dict[str, Dict], preset: Preset) -> List[str]:
+    """The protocol's final parts (test results, drift scores, joint runs) not yet stored: what
+    the report of an interrupted run lacks."""
+    losses = preset.loss_names()
+
+    def tests(scenario):
+        return [f'test_{scenario}_{loss}_s{seed}' for loss in losses for seed in preset.seeds]
+
+    wanted = []
+    if 'cold' in preset.scenarios:
+        wanted += tests('cold')
+    if 'drift' in preset.scenarios:
+        wanted += ['drift_before', 'drift_after'] + tests('heal')
+    if 'joint' in preset.scenarios:
+        wanted += [f'joint_{loss}_s{seed}' for loss in losses for seed in preset.joint_seeds]
+    return [name for name in wanted if name not in parts]
+
+
+def _pending_line(names: List[str]) -> str:
+    """``test_cold_kl_s1, test_cold_kl_s2, drift_before`` -> ``cold `kl` (seeds 1, 2), drift_before``."""
+    groups: Dict[str, List[str]] = {}
+    for name in names:
+        head, _, seed = name.removeprefix('test_').rpartition('_s')
+        if not head:
+            groups.setdefault(name, [])
+            continue
+        scenario, _, loss = head.partition('_')
+        groups.setdefault(f'{scenario} `{loss}`', []).append(seed)
+    return ', '.join(g + (f" (seed{'s' if len(v) > 1 else ''} {', '.join(v)})" if v else '')
+                     for g, v in groups.items())
+
+
 def summarize(parts: Dict[str, Dict], preset: Preset) -> Dict:
     seeds = preset.seeds
     return {
         'preset': preset.name, 'common': preset.common(), 'parts': sorted(parts),
+        'pending': pending(parts, preset),
         'compute_s': sum(p.get('wall_s', 0) for p in parts.values()),
         'cpu_s': sum(p.get('cpu_s', 0) for p in parts.values()),
         'cold': headline_rows(parts, 'cold', seeds),
@@ -268,6 +301,9 @@ def render(summary: Dict, preset: Preset) -> str:
            f"prompts; 'resolved': every seed's difference of one sign and the mean beyond "
            f"{RESOLVED_AT:g} standard errors across seeds and {RESOLVED_AT:g} prompt-level ones.",
            '']
+    if summary['pending']:
+        out += [f"**Incomplete**: not yet run: {_pending_line(summary['pending'])}. "
+                f"The tables hold what has landed; the same command resumes the run.", '']
     if summary['cold_sensitivity']:
         out += ['## Cold start: fresh one-depth heads on the pretrained model, code', '',
                 f'Learning rates, seed {preset.seeds[0]}: whole-validation accepted drafts at '
