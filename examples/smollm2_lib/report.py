@@ -250,7 +250,9 @@ def _diff_cell(row: Dict, mode: str, estimator: str) -> str:
     if not diff:
         return ''
     per_seed = ', '.join(f'{d:+.3f}' for d in diff['per_seed'])
-    return (f"{diff['mean']:+.3f} (seeds ±{diff['se_seeds']:.3f}, prompts ±{diff['se_units']:.3f};"
+    seeds = ('one seed' if math.isnan(diff['se_seeds']) else  # no spread across seeds yet
+             f"seeds ±{diff['se_seeds']:.3f}")
+    return (f"{diff['mean']:+.3f} ({seeds}, prompts ±{diff['se_units']:.3f};"
             f" per seed {per_seed}) {row[f'gain% {mode} {estimator}']:+.1f}% "
             f"{_verdict(diff)}")
 
