@@ -208,7 +208,7 @@ def test_smoke_preset_runs_every_scenario_and_resumes(tmp_path, smollm2):
     summary = json.loads((out / 'summary.json').read_text())
     assert [row['label'] for row in summary['cold']] == losses
     assert '## Cold start' in res.stdout and '## Joint' in res.stdout
-    assert summary['pending'] == [] and 'Incomplete' not in res.stdout
+    assert summary['pending'] == {} and 'Incomplete' not in res.stdout
     assert (out / 'report.md').read_text().strip() == res.stdout.strip()
     assert (out / 'smollm2_curves.png').stat().st_size > 10_000
     # A smoke run stays one: CPU time, not wall time, which doubles when the other pytest-xdist
@@ -354,7 +354,9 @@ def test_an_interrupted_runs_report_says_what_it_lacks():
     parts = {f'test_cold_ce_s{s}': _synthetic_test('ce', s, [0.2, 0.3]) for s in preset.seeds}
     parts['test_cold_tv_s0'] = _synthetic_test('tv', 0, [0.3, 0.3])
     summary = R.summarize(parts, preset)
-    assert summary['pending'][:3] == ['test_cold_tv_s1', 'test_cold_tv_s2', 'drift_before']
+    assert summary['pending'] == {
+        'cold `tv`': [1, 2], 'drift_before': [], 'drift_after': [], 'heal `ce`': [0, 1, 2],
+        'heal `tv`': [0, 1, 2], 'joint `ce`': [0, 1], 'joint `tv`': [0, 1]}
     assert ('not yet run: cold `tv` (seeds 1, 2), drift_before, drift_after, heal `ce` (seeds 0, '
             '1, 2), heal `tv` (seeds 0, 1, 2), joint `ce` (seeds 0, 1), joint `tv` (seeds 0, 1).'
             ) in R.render(summary, preset)

@@ -143,6 +143,12 @@ PRESETS: Dict[str, Preset] = {
 }
 
 
+def part_name(kind: str, loss: str, seed: int) -> str:
+    """A per-loss, per-seed part's name: ``kind`` is ``'test_cold'``, ``'test_heal'`` or
+    ``'joint'``."""
+    return f'{kind}_{loss}_s{seed}'
+
+
 def fingerprint(settings: Dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -597,7 +603,7 @@ class Experiment:
             return {'scenario': arm.scenario, 'loss': arm.loss, 'lr': arm.lr, 'seed': arm.seed,
                     'steps': arm.steps, 'depths': 1, 'final': self.final_eval(model, sets)}
 
-        return self.part(f'test_{arm.scenario}_{arm.loss}_s{arm.seed}',
+        return self.part(part_name(f'test_{arm.scenario}', arm.loss, arm.seed),
                          {**self.arm_key(arm), 'test': True}, run)
 
     # ------------------------------------------------------------------ cold start
@@ -797,7 +803,7 @@ class Experiment:
             self.moved_backbone()
         for loss in p.loss_names():
             for seed in p.joint_seeds:
-                name = f'joint_{loss}_s{seed}'
+                name = part_name('joint', loss, seed)
 
                 def run(loss=loss, seed=seed, name=name):
                     model = self.build(1, loss, joint=True, backbone=self.backbones['original'],

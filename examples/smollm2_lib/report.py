@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence
 from cpu_demo_lib.report import (RESOLVED_AT, mean_of, pyplot, save_figure, seed_difference,
                                  standard_error)
 
-from .experiment import Preset, Store, depth_one_losses, point_at
+from .experiment import Preset, Store, depth_one_losses, part_name, point_at
 
 MODES = {'T=1': 'spec_sampled', 'greedy': 'spec_greedy'}
 ESTIMATORS = {'counted': 'per_prompt', 'rao_blackwell': 'per_prompt_rao_blackwell'}
@@ -75,7 +75,7 @@ def _arm_name(scenario: str, test: Dict) -> str:
 
 
 def _tests(parts: Dict[str, Dict], scenario: str, loss: str, seeds: Sequence[int]) -> List[Dict]:
-    names = [f'test_{scenario}_{loss}_s{s}' for s in seeds]
+    names = [part_name(f'test_{scenario}', loss, s) for s in seeds]
     return [parts[n] for n in names if n in parts]
 
 
@@ -161,7 +161,8 @@ def drift_summary(parts: Dict[str, Dict]) -> Dict:
 
 def joint_rows(parts: Dict[str, Dict], seeds: Sequence[int]) -> List[Dict]:
     def records(loss):
-        return [parts[f'joint_{loss}_s{s}'] for s in seeds if f'joint_{loss}_s{s}' in parts]
+        names = [part_name('joint', loss, s) for s in seeds]
+        return [parts[n] for n in names if n in parts]
 
     rows = []
     moved = parts.get('drift_after')
@@ -180,36 +181,35 @@ def joint_rows(parts: Dict[str, Dict], seeds: Sequence[int]) -> List[Dict]:
     return rows
 
 
-def pending(parts: Dict[str, Dict], preset: Preset) -> List[str]:
-    """The protocol's final parts (test results, drift scores, joint runs) not yet stored: what
-    the report of an interrupted run lacks."""
-    losses = preset.loss_names()
+def pending(parts: Dict[str, Dict], preset: Preset) -> Dict[str, List[int]]:
+    """The protocol's final parts (test results, drift scores, joint runs) not yet stored, what
+    the report of an interrupted run lacks: ``{'cold `kl`': [1, 2], 'drift_before': [], ...}``,
+    each group's missing seeds."""
+    groups: Dict[str, Dict[Optional[int], str]] = {}  # label -> {seed (None: one part): name}
 
-    def tests(scenario):
-        return [f'test_{scenario}_{loss}_s{seed}' for loss in losses for seed in preset.seeds]
+    def per_loss(scenario: str, kind: str, seeds: Sequence[int]) -> None:
+        for loss in preset.loss_names():
+            groups[f'{scenario} `{loss}`'] = {s: part_name(kind, loss, s) for s in seeds}
 
-    wanted = []
     if 'cold' in preset.scenarios:
-        wanted += tests('cold')
+        per_loss('cold', 'test_cold', preset.seeds)
     if 'drift' in preset.scenarios:
-        wanted += ['drift_before', 'drift_after'] + tests('heal')
+        groups.update({name: {None: name} for name in ('drift_before', 'drift_after')})
+        per_loss('heal', 'test_heal', preset.seeds)
     if 'joint' in preset.scenarios:
-        wanted += [f'joint_{loss}_s{seed}' for loss in losses for seed in preset.joint_seeds]
-    return [name for name in wanted if name not in parts]
+        per_loss('joint', 'joint', preset.joint_seeds)
+    out = {}
+    for label, names in groups.items():
+        missing = [seed for seed, name in names.items() if name not in parts]
+        if missing:
+            out[label] = [seed for seed in missing if seed is not None]
+    return out
 
 
-def _pending_line(names: List[str]) -> str:
-    """``test_cold_kl_s1, test_cold_kl_s2, drift_before`` -> ``cold `kl` (seeds 1, 2), drift_before``."""
-    groups: Dict[str, List[str]] = {}
-    for name in names:
-        head, _, seed = name.removeprefix('test_').rpartition('_s')
-        if not head:
-            groups.setdefault(name, [])
-            continue
-        scenario, _, loss = head.partition('_')
-        groups.setdefault(f'{scenario} `{loss}`', []).append(seed)
-    return ', '.join(g + (f" (seed{'s' if len(v) > 1 else ''} {', '.join(v)})" if v else '')
-                     for g, v in groups.items())
+def _pending_line(groups: Dict[str, List[int]]) -> str:
+    return ', '.join(label + (f" (seed{'s' if len(seeds) > 1 else ''} "
+                              f"{', '.join(map(str, seeds))})" if seeds else '')
+                     for label, seeds in groups.items())
 
 
 def summarize(parts: Dict[str, Dict], preset: Preset) -> Dict:
