@@ -338,6 +338,11 @@ def test_report_resolves_a_difference_only_when_every_seed_agrees():
     assert rows['kl']['vs T=1 counted']['mean'] > 0 and not rows['kl']['vs T=1 counted'][
         'resolved']  # one seed of the other sign
     assert 'vs T=1 counted' not in rows['ce']  # the baseline is not compared with itself
+    # between the alternatives: each against the best of them ('tv' here), 'ce' left out
+    between = {r['label']: r for r in R.leader_rows(parts, 'cold', (0, 1, 2), list(rows.values()))}
+    assert set(between) == {'tv', 'kl'} and 'vs T=1 counted' not in between['tv']
+    kl_vs_tv = [sum(k - t for k, t in zip(kl[s], tv[s])) / 4 for s in ce]
+    assert between['kl']['vs greedy counted']['per_seed'] == pytest.approx(kl_vs_tv)
     one = R.seed_difference({0: tv[0]}, {0: ce[0]})
     assert one['mean'] > 0 and not one['resolved']  # one seed never resolves a difference
 

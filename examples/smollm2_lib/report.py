@@ -79,15 +79,29 @@ def _tests(parts: Dict[str, Dict], scenario: str, loss: str, seeds: Sequence[int
     return [parts[n] for n in names if n in parts]
 
 
-def headline_rows(parts: Dict[str, Dict], scenario: str, seeds: Sequence[int]) -> List[Dict]:
-    """Every loss's test results at its chosen rate, ``'ce'`` first (the baseline)."""
-    baseline = _tests(parts, scenario, 'ce', seeds)
+def headline_rows(parts: Dict[str, Dict], scenario: str, seeds: Sequence[int],
+                  baseline: str = 'ce') -> List[Dict]:
+    """Every loss's test results at its chosen rate, compared with ``baseline``'s."""
+    reference = _tests(parts, scenario, baseline, seeds)
     rows = []
     for loss in depth_one_losses():
         records = _tests(parts, scenario, loss, seeds)
         if records:
-            rows.append(arm_row(loss, records, baseline if loss != 'ce' else None))
+            rows.append(arm_row(loss, records, reference if loss != baseline else None))
     return rows
+
+
+def leader_rows(parts: Dict[str, Dict], scenario: str, seeds: Sequence[int],
+                rows: List[Dict]) -> List[Dict]:
+    """The alternatives to ``'ce'`` against the best of them (the highest T=1 tokens per step
+    by the Rao-Blackwell estimate, the lower-variance one): whether the leader is separated from
+    the runners-up. Empty with fewer than two alternatives."""
+    alternatives = [r for r in rows if r['label'] != 'ce']
+    if len(alternatives) < 2:
+        return []
+    leader = max(alternatives, key=lambda r: r['tokens T=1 rao_blackwell']['mean'])['label']
+    return [r for r in headline_rows(parts, scenario, seeds, baseline=leader)
+            if r['label'] != 'ce']
 
 
 def sensitivity(parts: Dict[str, Dict], scenario: str, seed: int) -> Dict[str, Dict]:
@@ -220,10 +234,14 @@ def summarize(parts: Dict[str, Dict], preset: Preset) -> Dict:
         'compute_s': sum(p.get('wall_s', 0) for p in parts.values()),
         'cpu_s': sum(p.get('cpu_s', 0) for p in parts.values()),
         'cold': headline_rows(parts, 'cold', seeds),
+        'cold_vs_leader': leader_rows(parts, 'cold', seeds,
+                                      headline_rows(parts, 'cold', seeds)),
         'cold_sensitivity': sensitivity(parts, 'cold', seeds[0]),
         'cold_init': parts.get('cold_init', {}).get('validation'),
         'drift': drift_summary(parts),
         'heal': headline_rows(parts, 'heal', seeds),
+        'heal_vs_leader': leader_rows(parts, 'heal', seeds,
+                                      headline_rows(parts, 'heal', seeds)),
         'heal_sensitivity': sensitivity(parts, 'heal', seeds[0]),
         'heal_recovery': recovery(parts, seeds),
         'joint': joint_rows(parts, preset.joint_seeds),
@@ -293,6 +311,14 @@ def sensitivity_table(sens: Dict[str, Dict]) -> str:
     return '\n'.join(lines)
 
 
+def _leader_section(rows: List[Dict]) -> List[str]:
+    if not rows:
+        return []
+    leader = next(r['label'] for r in rows if 'vs T=1 counted' not in r)
+    return [f"Between the alternatives to `ce`: each against `{leader}`, the best of them at T=1 "
+            f"(Rao-Blackwell):", '', table(rows, baseline=leader), '']
+
+
 def render(summary: Dict, preset: Preset) -> str:
     out = [f"# SmolLM2-135M: MTP heads per loss (preset `{preset.name}`)", '',
            f"Parts: {len(summary['parts'])}; compute in the parts: "
@@ -315,6 +341,7 @@ def render(summary: Dict, preset: Preset) -> str:
                 sensitivity_table(summary['cold_sensitivity']), '']
     if summary['cold']:
         out += ['Test, each loss at its best rate:', '', table(summary['cold']), '']
+    out += _leader_section(summary['cold_vs_leader'])
     d = summary.get('drift')
     if d:
         out += ['## Drift: the official `ce` head on a backbone moved by SFT on English docs', '',
@@ -336,6 +363,7 @@ def render(summary: Dict, preset: Preset) -> str:
                 sensitivity_table(summary['heal_sensitivity']), '']
     if summary['heal']:
         out += ['Test after healing, each loss at its best rate:', '', table(summary['heal']), '']
+    out += _leader_section(summary['heal_vs_leader'])
     if summary['heal_recovery']:
         out += ['Steps until the healed head is back at its pre-drift alpha (curve windows), '
                 'per seed: ' + '; '.join(
