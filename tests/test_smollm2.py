@@ -339,8 +339,10 @@ def test_report_resolves_a_difference_only_when_every_seed_agrees():
         'resolved']  # one seed of the other sign
     assert 'vs T=1 counted' not in rows['ce']  # the baseline is not compared with itself
     # between the alternatives: each against the best of them ('tv' here), 'ce' left out
-    between = {r['label']: r for r in R.leader_rows(parts, 'cold', (0, 1, 2), list(rows.values()))}
-    assert set(between) == {'tv', 'kl'} and 'vs T=1 counted' not in between['tv']
+    versus = R.versus_leader(parts, 'cold', (0, 1, 2), list(rows.values()))
+    between = {r['label']: r for r in versus['rows']}
+    assert versus['leader'] == 'tv' and set(between) == {'tv', 'kl'}
+    assert 'vs T=1 counted' not in between['tv']
     kl_vs_tv = [sum(k - t for k, t in zip(kl[s], tv[s])) / 4 for s in ce]
     assert between['kl']['vs greedy counted']['per_seed'] == pytest.approx(kl_vs_tv)
     one = R.seed_difference({0: tv[0]}, {0: ce[0]})

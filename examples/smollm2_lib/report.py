@@ -91,17 +91,18 @@ def headline_rows(parts: Dict[str, Dict], scenario: str, seeds: Sequence[int],
     return rows
 
 
-def leader_rows(parts: Dict[str, Dict], scenario: str, seeds: Sequence[int],
-                rows: List[Dict]) -> List[Dict]:
-    """The alternatives to ``'ce'`` against the best of them (the highest T=1 tokens per step
-    by the Rao-Blackwell estimate, the lower-variance one): whether the leader is separated from
-    the runners-up. Empty with fewer than two alternatives."""
+def versus_leader(parts: Dict[str, Dict], scenario: str, seeds: Sequence[int],
+                  rows: List[Dict]) -> Dict:
+    """The alternatives to ``'ce'`` (``rows``: ``headline_rows``) against the best of them, the
+    highest T=1 tokens per step by the Rao-Blackwell estimate (the lower-variance one): whether
+    the leader is separated from the runners-up. ``{'leader': loss, 'rows': [...]}``, or ``{}``
+    with fewer than two alternatives."""
     alternatives = [r for r in rows if r['label'] != 'ce']
     if len(alternatives) < 2:
-        return []
+        return {}
     leader = max(alternatives, key=lambda r: r['tokens T=1 rao_blackwell']['mean'])['label']
-    return [r for r in headline_rows(parts, scenario, seeds, baseline=leader)
-            if r['label'] != 'ce']
+    return {'leader': leader, 'rows': [r for r in headline_rows(parts, scenario, seeds, leader)
+                                       if r['label'] != 'ce']}
 
 
 def sensitivity(parts: Dict[str, Dict], scenario: str, seed: int) -> Dict[str, Dict]:
@@ -228,20 +229,19 @@ def _pending_line(groups: Dict[str, List[int]]) -> str:
 
 def summarize(parts: Dict[str, Dict], preset: Preset) -> Dict:
     seeds = preset.seeds
+    cold, heal = (headline_rows(parts, scenario, seeds) for scenario in ('cold', 'heal'))
     return {
         'preset': preset.name, 'common': preset.common(), 'parts': sorted(parts),
         'pending': pending(parts, preset),
         'compute_s': sum(p.get('wall_s', 0) for p in parts.values()),
         'cpu_s': sum(p.get('cpu_s', 0) for p in parts.values()),
-        'cold': headline_rows(parts, 'cold', seeds),
-        'cold_vs_leader': leader_rows(parts, 'cold', seeds,
-                                      headline_rows(parts, 'cold', seeds)),
+        'cold': cold,
+        'cold_vs_leader': versus_leader(parts, 'cold', seeds, cold),
         'cold_sensitivity': sensitivity(parts, 'cold', seeds[0]),
         'cold_init': parts.get('cold_init', {}).get('validation'),
         'drift': drift_summary(parts),
-        'heal': headline_rows(parts, 'heal', seeds),
-        'heal_vs_leader': leader_rows(parts, 'heal', seeds,
-                                      headline_rows(parts, 'heal', seeds)),
+        'heal': heal,
+        'heal_vs_leader': versus_leader(parts, 'heal', seeds, heal),
         'heal_sensitivity': sensitivity(parts, 'heal', seeds[0]),
         'heal_recovery': recovery(parts, seeds),
         'joint': joint_rows(parts, preset.joint_seeds),
@@ -311,12 +311,11 @@ def sensitivity_table(sens: Dict[str, Dict]) -> str:
     return '\n'.join(lines)
 
 
-def _leader_section(rows: List[Dict]) -> List[str]:
-    if not rows:
+def _leader_section(versus: Dict) -> List[str]:
+    if not versus:
         return []
-    leader = next(r['label'] for r in rows if 'vs T=1 counted' not in r)
-    return [f"Between the alternatives to `ce`: each against `{leader}`, the best of them at T=1 "
-            f"(Rao-Blackwell):", '', table(rows, baseline=leader), '']
+    return [f"Between the alternatives to `ce`: each against `{versus['leader']}`, the best of "
+            f"them at T=1 (Rao-Blackwell):", '', table(versus['rows'], versus['leader']), '']
 
 
 def render(summary: Dict, preset: Preset) -> str:
