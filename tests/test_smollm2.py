@@ -393,3 +393,22 @@ def test_grid_extends_past_a_winning_edge(tmp_path):
     score.update({3e-4: 0.0, 1e-3: 1.0, 3e-3: 0.0})
     assert experiment.best_lr('cold', 'ce', 99, (3e-4, 1e-3, 3e-3)) == 1e-3
     assert 'cold_ce_lr0.0001_n99_s0' not in experiment.records  # an inner winner: no extension
+
+
+def test_retrained_heads_are_checked_against_their_stored_part(tmp_path):
+    """Heads missing from the cache folder (a new machine) are retrained from the arm's key,
+    and the log sets the replay's whole-validation score beside the stored part's."""
+    from smollm2_lib import experiment as X
+
+    lines = []
+    experiment = X.Experiment(X.PRESETS['long'], X.Store(str(tmp_path), {}), cache_dir='',
+                              log=lines.append)
+    experiment.arm_key = lambda arm: {'lr': arm.lr, 'loss': arm.loss}
+    arm = X.HeadsArm('cold', 'ce', 1e-3, 0, 99)
+    experiment.store.save(arm.name, experiment.arm_key(arm),
+                          {'validation': {'sampled': {'accepted': 0.25}}})
+    experiment.run_arm = lambda arm: ({'validation': {'sampled': {'accepted': 0.5}}},
+                                      {'w': 1})
+    assert experiment.heads(arm) == {'w': 1}
+    assert lines[-1] == (f'{arm.name}: retrained, whole-validation accepted drafts 0.500000 '
+                         '(the stored part: 0.250000, difference +2.50e-01)')

@@ -573,7 +573,23 @@ class Experiment:
         return self.part(arm.name, key, run)
 
     def heads(self, arm: HeadsArm) -> Dict:
-        return self.kept_weights(self.arm_key(arm), lambda: self.run_arm(arm)[1])
+        """The arm's final heads: kept, else retrained (a new machine has no cache folder).
+
+        A retrained arm replays the stored one (same seed, data order and rate); the log puts
+        their whole-validation scores side by side, so a replay that did not reproduce the
+        stored part (another CPU's kernels, say) is seen before anything is built on it."""
+        key = self.arm_key(arm)
+
+        def retrain() -> Dict:
+            record, heads = self.run_arm(arm)
+            stored = self.store.load(arm.name, key)
+            if stored is not None:
+                now, then = (r['validation']['sampled']['accepted'] for r in (record, stored))
+                self.log(f'{arm.name}: retrained, whole-validation accepted drafts {now:.6f} '
+                         f'(the stored part: {then:.6f}, difference {now - then:+.2e})')
+            return heads
+
+        return self.kept_weights(key, retrain)
 
     def best_lr(self, scenario: str, loss: str, steps: int, grid: Tuple[float, ...]) -> float:
         """The rate with the best whole-validation accepted drafts (T=1) at ``steps`` on seed 0,
