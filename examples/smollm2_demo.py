@@ -20,8 +20,9 @@ Presets (``smollm2_lib.experiment.PRESETS``):
   hours on two cores; every finished part is written at once (``--commit`` commits it), a
   rerun skips it, and an interrupted arm resumes from its last checkpoint.
 
-Writes ``parts/*.json``, ``report.md``, ``summary.json`` and ``smollm2_curves.png`` to
-``--results-dir`` and prints the report.
+Writes ``parts/*.json``, ``report.md``, ``summary.json``, ``smollm2_gains.png`` (each loss's
+gain over ``'ce'``, per seed) and ``smollm2_curves.png`` to ``--results-dir`` and prints the
+report.
 
     .venv/bin/python examples/smollm2_demo.py                 # the default run
     .venv/bin/python examples/smollm2_demo.py --preset long --commit

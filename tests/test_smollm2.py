@@ -210,7 +210,8 @@ def test_smoke_preset_runs_every_scenario_and_resumes(tmp_path, smollm2):
     assert '## Cold start' in res.stdout and '## Joint' in res.stdout
     assert summary['pending'] == {} and 'Incomplete' not in res.stdout
     assert (out / 'report.md').read_text().strip() == res.stdout.strip()
-    assert (out / 'smollm2_curves.png').stat().st_size > 10_000
+    for plot in ('smollm2_curves.png', 'smollm2_gains.png'):
+        assert (out / plot).stat().st_size > 10_000, plot
     # A smoke run stays one: CPU time, not wall time, which doubles when the other pytest-xdist
     # worker shares the core.
     assert cpu < 240, f'the smoke preset took {cpu:.0f} CPU-seconds'

@@ -423,6 +423,62 @@ def plot(path: str, parts: Dict[str, Dict], summary: Dict, preset: Preset) -> Op
     return None
 
 
+# The measures of a gains panel: (mode, estimator, marker, label).
+GAIN_MEASURES = (('T=1', 'counted', 'o', 'T=1, counted'),
+                 ('T=1', 'rao_blackwell', 'D', 'T=1, expected (Rao-Blackwell)'),
+                 ('greedy', 'counted', 's', 'greedy'))
+SCENARIO_TITLES = {'cold': 'fresh heads (cold start)', 'heal': 'official head healed after drift',
+                   'joint': 'official head trained with the fine-tuning'}
+
+
+def gains_plot(path: str, summary: Dict, preset: Preset) -> Optional[str]:
+    """The headline: each loss's gain over ``'ce'`` in tokens per verify step (percent of
+    ``'ce'``'s), one panel per scenario with test results, one row per loss and measure: a dot
+    per seed, the mean over seeds with a bar of ``RESOLVED_AT`` standard errors across seeds,
+    filled where resolved. Returns why it was skipped, or None."""
+    plt, skipped = pyplot()
+    if skipped:
+        return skipped
+    panels = [s for s in SCENARIO_TITLES if any('vs T=1 counted' in r for r in summary[s])]
+    if not panels:
+        return "no loss has test results beside 'ce' yet"
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.0), squeeze=False,
+                             sharex=True)
+    for ax, scenario in zip(axes[0], panels):
+        rows = summary[scenario]
+        ce = next(r for r in rows if r['label'] == 'ce')
+        others = [r for r in rows if 'vs T=1 counted' in r]
+        for y, row in enumerate(others):
+            color = COLORS.get(row['label'])
+            for k, (mode, estimator, marker, _) in enumerate(GAIN_MEASURES):
+                diff = row[f'vs {mode} {estimator}']
+                scale = 100 / ce[f'tokens {mode} {estimator}']['mean']
+                at = y + (k - 1) * 0.22
+                ax.scatter([scale * d for d in diff['per_seed']], [at] * len(diff['per_seed']),
+                           s=9, color=color, alpha=0.45, marker=marker, lw=0)
+                spread = diff['se_seeds']
+                ax.errorbar(scale * diff['mean'], at,
+                            xerr=None if math.isnan(spread) else RESOLVED_AT * scale * spread,
+                            fmt=marker, ms=5, color=color, capsize=2,
+                            mfc=color if diff['resolved'] else 'white')
+        ax.axvline(0, color='grey', lw=0.8)
+        ax.set_yticks(range(len(others)), [r['label'] for r in others], fontsize=8)
+        ax.invert_yaxis()
+        budget = f"{ce['steps']} steps, " if ce.get('steps') else ''
+        ax.set_title(f"{SCENARIO_TITLES[scenario]}\n{budget}seeds "
+                     f"{', '.join(map(str, ce['seeds']))}", fontsize=9)
+        ax.set_xlabel("tokens per verify step, % over 'ce'", fontsize=8)
+        ax.grid(axis='x', alpha=0.3)
+    handles = [plt.Line2D([], [], ls='', marker=m, color='k', mfc='white', label=label)
+               for _, _, m, label in GAIN_MEASURES]
+    axes[0][0].legend(handles=handles, fontsize=7, loc='upper left', ncol=len(handles),
+                      bbox_to_anchor=(0, -0.16), frameon=False)  # under the axes, off the data
+    save_figure(plt, fig, path, 'SmolLM2-135M, one MTP depth: gain over cross-entropy\n'
+                f'dots are seeds, bars {RESOLVED_AT:g} SE across seeds, filled = resolved',
+                dpi=110)
+    return None
+
+
 def write_report(store: Store, preset: Preset, results_dir: str, plot_png: bool = True) -> str:
     parts = store.all()
     summary = summarize(parts, preset)
@@ -435,4 +491,5 @@ def write_report(store: Store, preset: Preset, results_dir: str, plot_png: bool 
         f.write(text + '\n')
     if plot_png:
         plot(os.path.join(results_dir, 'smollm2_curves.png'), parts, summary, preset)
+        gains_plot(os.path.join(results_dir, 'smollm2_gains.png'), summary, preset)
     return text
