@@ -411,5 +411,5 @@ def test_retrained_heads_are_checked_against_their_stored_part(tmp_path):
     experiment.run_arm = lambda arm: ({'validation': {'sampled': {'accepted': 0.5}}},
                                       {'w': 1})
     assert experiment.heads(arm) == {'w': 1}
-    assert lines[-1] == (f'{arm.name}: retrained, whole-validation accepted drafts 0.500000 '
+    assert lines[-1] == (f'{arm.name}: replayed, whole-validation accepted drafts 0.500000 '
                          '(the stored part: 0.250000, difference +2.50e-01)')

@@ -572,6 +572,11 @@ class Experiment:
 
         return self.part(arm.name, key, run)
 
+    def log_replay(self, name: str, measure: str, now: float, stored: float) -> None:
+        """Log weights remade for part ``name`` beside the stored part, by ``measure``."""
+        self.log(f'{name}: replayed, {measure} {now:.6f} (the stored part: {stored:.6f}, '
+                 f'difference {now - stored:+.2e})')
+
     def heads(self, arm: HeadsArm) -> Dict:
         """The arm's final heads: kept, else retrained (a new machine has no cache folder).
 
@@ -584,9 +589,8 @@ class Experiment:
             record, heads = self.run_arm(arm)
             stored = self.store.load(arm.name, key)
             if stored is not None:
-                now, then = (r['validation']['sampled']['accepted'] for r in (record, stored))
-                self.log(f'{arm.name}: retrained, whole-validation accepted drafts {now:.6f} '
-                         f'(the stored part: {then:.6f}, difference {now - then:+.2e})')
+                self.log_replay(arm.name, 'whole-validation accepted drafts',
+                                *(r['validation']['sampled']['accepted'] for r in (record, stored)))
             return heads
 
         return self.kept_weights(key, retrain)
@@ -784,7 +788,13 @@ class Experiment:
             if path and os.path.exists(path):
                 os.remove(path)
         self.drift_steps, self.drift_lr = record['steps'], record['lr']
-        state = self.kept_weights(key, lambda: result.get('state') or move()[1])
+        def replay() -> Dict:
+            replayed, state = move()
+            self.log_replay('drift_move', "official head's alpha at the last check",
+                            *(r['curve']['checks'][-1]['alpha'] for r in (replayed, record)))
+            return state
+
+        state = self.kept_weights(key, lambda: result.get('state') or replay())
         self.backbones['moved'] = state
         return state
 
