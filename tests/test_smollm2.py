@@ -370,6 +370,29 @@ def test_an_interrupted_runs_report_says_what_it_lacks():
             ) in R.render(summary, preset)
 
 
+def test_healing_recovery_is_the_first_curve_step_back_at_the_pre_drift_alpha():
+    """Steps to recover: the first curve point whose alpha reaches the official head's alpha
+    before the drift; a head that never does reports its best point instead."""
+    from smollm2_lib import report as R
+
+    def curve(alphas):
+        return {'validation': [{'step': 25 * i, 'sampled': {'alpha': [a]}}
+                               for i, a in enumerate(alphas)]}
+
+    parts = {'drift_before': {'curve_validation': {'sampled': {'alpha': [0.40]}}}}
+    for seed, alphas in ((0, [0.30, 0.38, 0.40, 0.39]), (1, [0.30, 0.36, 0.37, 0.35])):
+        test = _synthetic_test('ce', seed, [0.2])
+        test['steps'] = 75
+        parts[f'test_heal_ce_s{seed}'] = test
+        parts[R._arm_name('heal', test)] = {'steps': 75, 'curve': curve(alphas)}
+    rec = R.recovery(parts, (0, 1))
+    assert rec['goal'] == 0.40 and rec['steps'] == 75
+    assert rec['losses']['ce'] == [
+        {'seed': 0, 'step': 50, 'best': 0.40, 'best_step': 50},
+        {'seed': 1, 'step': None, 'best': 0.37, 'best_step': 50}]
+    assert R.recovery({}, (0, 1)) == {}  # no drift scored yet
+
+
 def test_grid_extends_past_a_winning_edge(tmp_path):
     """A learning rate that wins at an end of the grid is not taken as the optimum: the grid
     grows by a half-decade beyond it until an inner value wins (or its extension budget is

@@ -127,28 +127,32 @@ def sensitivity(parts: Dict[str, Dict], scenario: str, seed: int) -> Dict[str, D
     return out
 
 
-def recovery(parts: Dict[str, Dict], seeds: Sequence[int]) -> Dict[str, List]:
+def recovery(parts: Dict[str, Dict], seeds: Sequence[int]) -> Dict:
     """Per loss (at its chosen rate), per seed: the first curve step at which the healed head's
     alpha (curve windows, T=1) is back at the official head's alpha on the original model
-    (None: not within the budget)."""
+    (``'step'``, None: not within the budget), and the best alpha its curve reached
+    (``'best'``, at ``'best_step'``). ``{'goal': alpha, 'steps': budget, 'losses': {loss: [...]}}``,
+    or ``{}`` before the drift is scored."""
     before = parts.get('drift_before')
     if before is None:
         return {}
     goal = before['curve_validation']['sampled']['alpha'][0]
-    out = {}
+    out = {'goal': goal, 'steps': None, 'losses': {}}
     for loss in depth_one_losses():
-        tests = _tests(parts, 'heal', loss, seeds)
-        steps = []
-        for t in tests:
+        per_seed = []
+        for t in _tests(parts, 'heal', loss, seeds):
             arm = parts.get(_arm_name('heal', t))
             if arm is None:
                 continue
-            hit = [p['step'] for p in arm['curve']['validation']
-                   if p['sampled']['alpha'][0] >= goal]
-            steps.append(hit[0] if hit else None)
-        if steps:
-            out[loss] = steps
-    return out
+            points = [(p['step'], p['sampled']['alpha'][0]) for p in arm['curve']['validation']]
+            best_step, best = max(points, key=lambda p: p[1])
+            hit = [step for step, alpha in points if alpha >= goal]
+            per_seed.append({'seed': t['seed'], 'step': hit[0] if hit else None, 'best': best,
+                             'best_step': best_step})
+            out['steps'] = arm['steps']
+        if per_seed:
+            out['losses'][loss] = per_seed
+    return out if out['losses'] else {}
 
 
 def drift_summary(parts: Dict[str, Dict]) -> Dict:
@@ -363,11 +367,16 @@ def render(summary: Dict, preset: Preset) -> str:
     if summary['heal']:
         out += ['Test after healing, each loss at its best rate:', '', table(summary['heal']), '']
     out += _leader_section(summary['heal_vs_leader'])
-    if summary['heal_recovery']:
-        out += ['Steps until the healed head is back at its pre-drift alpha (curve windows), '
-                'per seed: ' + '; '.join(
-                    f"`{loss}` " + ', '.join('-' if s is None else str(s) for s in steps)
-                    for loss, steps in summary['heal_recovery'].items()), '']
+    rec = summary['heal_recovery']
+    if rec:
+        def seed_cell(r):
+            return (f"step {r['step']}" if r['step'] is not None else
+                    f"not within {rec['steps']} (best {r['best']:.3f} at step {r['best_step']})")
+        out += [f"Back at the pre-drift alpha ({rec['goal']:.3f}, curve windows, T=1): the first "
+                f"curve step the healed head reaches it, per seed:", '']
+        out += [f"- `{loss}`: " + '; '.join(f"seed {r['seed']} {seed_cell(r)}" for r in rows)
+                for loss, rows in rec['losses'].items()]
+        out.append('')
     if summary['joint']:
         out += ['## Joint: the same fine-tuning with the official head trained alongside', '',
                 table(summary['joint']), '']
