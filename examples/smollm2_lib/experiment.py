@@ -788,6 +788,7 @@ class Experiment:
             if path and os.path.exists(path):
                 os.remove(path)
         self.drift_steps, self.drift_lr = record['steps'], record['lr']
+
         def replay() -> Dict:
             replayed, state = move()
             self.log_replay('drift_move', "official head's alpha at the last check",

@@ -130,14 +130,14 @@ def sensitivity(parts: Dict[str, Dict], scenario: str, seed: int) -> Dict[str, D
 def recovery(parts: Dict[str, Dict], seeds: Sequence[int]) -> Dict:
     """Per loss (at its chosen rate), per seed: the first curve step at which the healed head's
     alpha (curve windows, T=1) is back at the official head's alpha on the original model
-    (``'step'``, None: not within the budget), and the best alpha its curve reached
-    (``'best'``, at ``'best_step'``). ``{'goal': alpha, 'steps': budget, 'losses': {loss: [...]}}``,
-    or ``{}`` before the drift is scored."""
+    (``'step'``, None: not within its ``'steps'``), and the best alpha its curve reached
+    (``'best'``, at ``'best_step'``). ``{'goal': alpha, 'losses': {loss: [...]}}``, or ``{}``
+    before the drift is scored or any healed head is tested."""
     before = parts.get('drift_before')
     if before is None:
         return {}
     goal = before['curve_validation']['sampled']['alpha'][0]
-    out = {'goal': goal, 'steps': None, 'losses': {}}
+    out = {'goal': goal, 'losses': {}}
     for loss in depth_one_losses():
         per_seed = []
         for t in _tests(parts, 'heal', loss, seeds):
@@ -147,9 +147,9 @@ def recovery(parts: Dict[str, Dict], seeds: Sequence[int]) -> Dict:
             points = [(p['step'], p['sampled']['alpha'][0]) for p in arm['curve']['validation']]
             best_step, best = max(points, key=lambda p: p[1])
             hit = [step for step, alpha in points if alpha >= goal]
-            per_seed.append({'seed': t['seed'], 'step': hit[0] if hit else None, 'best': best,
+            per_seed.append({'seed': t['seed'], 'steps': arm['steps'],
+                             'step': hit[0] if hit else None, 'best': best,
                              'best_step': best_step})
-            out['steps'] = arm['steps']
         if per_seed:
             out['losses'][loss] = per_seed
     return out if out['losses'] else {}
@@ -371,7 +371,7 @@ def render(summary: Dict, preset: Preset) -> str:
     if rec:
         def seed_cell(r):
             return (f"step {r['step']}" if r['step'] is not None else
-                    f"not within {rec['steps']} (best {r['best']:.3f} at step {r['best_step']})")
+                    f"not within {r['steps']} (best {r['best']:.3f} at step {r['best_step']})")
         out += [f"Back at the pre-drift alpha ({rec['goal']:.3f}, curve windows, T=1): the first "
                 f"curve step the healed head reaches it, per seed:", '']
         out += [f"- `{loss}`: " + '; '.join(f"seed {r['seed']} {seed_cell(r)}" for r in rows)
