@@ -14,7 +14,8 @@
 # Why 'tv': the model ships with a trained MTP head and RL moves the backbone under it, which is
 # the healing scenario the README measures ("Which loss when": an official head healed after a
 # drift), where 'tv' was ahead of 'ce' on SmolLM2-135M and on the CPU toy. On SmolLM2 'kl', 'lk'
-# and 'nla' healed as well at T=1 and 'kl' better for greedy drafts: set --mtp-loss-type kl there.
+# and 'nla' healed as well at T=1 and 'kl' better for greedy drafts: for greedy serving, put
+# --mtp-loss-type kl in MTP_TV_ARGS below.
 # RL itself was not among the measured drifts (SFT on another domain was).
 #
 # Parallel layouts: both of the recipe's, tp2-cp2-ep8 (the default: TP=2 with sequence parallel,
