@@ -11,12 +11,15 @@
 # Megatron flags through (parse_args(extra_args_provider=...)), so the TV flags ride in the
 # recipe's --extra-args; nothing in miles changes.
 #
-# Why 'tv': the model ships with a trained MTP head and RL moves the backbone under it, which is
-# the healing scenario the README measures ("Which loss when": an official head healed after a
-# drift), where 'tv' was ahead of 'ce' on SmolLM2-135M and on the CPU toy. On SmolLM2 'kl', 'lk'
-# and 'nla' healed as well at T=1 and 'kl' better for greedy drafts: for greedy serving, put
-# --mtp-loss-type kl in MTP_TV_ARGS below.
-# RL itself was not among the measured drifts (SFT on another domain was).
+# Why 'tv': the model ships with a trained MTP head and RL moves the backbone under it. In the
+# README's measurements ("Which loss when") such a head healed on the moved backbone did better
+# with 'tv' than with 'ce', on SmolLM2-135M and on the CPU toy; on SmolLM2 'kl', 'lk' and 'nla'
+# healed as well at T=1 and 'kl' better for greedy drafts (for greedy serving, put
+# --mtp-loss-type kl in MTP_TV_ARGS below). But a head trained together with a backbone that its
+# loss also trains did better with 'ce'. miles trains the head during RL, its loss reaching the
+# backbone's hidden states (the fork detaches the MTP branch's embedding and output layer):
+# between the two and not measured, nor is RL as the drift (SFT on another domain was). Compare
+# rollout/spec_accept_length against a 'ce' run.
 #
 # Parallel layouts: both of the recipe's, tp2-cp2-ep8 (the default: TP=2 with sequence parallel,
 # CP=2, EP=8) and tp1-ep8. The loss is vocab-parallel over TP (with or without sequence
