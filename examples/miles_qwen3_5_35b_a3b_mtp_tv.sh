@@ -16,10 +16,11 @@
 # with 'tv' than with 'ce', on SmolLM2-135M and on the CPU toy; on SmolLM2 'kl', 'lk' and 'nla'
 # healed as well at T=1 and 'kl' better for greedy drafts (for greedy serving, put
 # --mtp-loss-type kl in MTP_TV_ARGS below). But a head trained together with a backbone that its
-# loss also trains did better with 'ce'. miles trains the head during RL, its loss reaching the
-# backbone's hidden states (the fork detaches the MTP branch's embedding and output layer):
-# between the two and not measured, nor is RL as the drift (SFT on another domain was). Compare
-# rollout/spec_accept_length against a 'ce' run.
+# loss also trains did better with 'ce' for greedy drafts (at T=1: resolved against 'kl' only).
+# miles trains the head during RL, its loss reaching the backbone's hidden states (the fork
+# detaches the MTP branch's embedding and output layer): between the two and not measured, nor
+# is RL as the drift (SFT on another domain was). Compare rollout/spec_accept_length against a
+# 'ce' run.
 #
 # Parallel layouts: both of the recipe's, tp2-cp2-ep8 (the default: TP=2 with sequence parallel,
 # CP=2, EP=8) and tp1-ep8. The loss is vocab-parallel over TP (with or without sequence

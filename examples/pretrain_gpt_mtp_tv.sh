@@ -16,10 +16,10 @@
 # else is a usual Megatron launch. 'tv' trains the heads for acceptance itself. Pretraining from
 # scratch is not among the measured scenarios (README, "Which loss when"). The nearest there, a
 # trained head fine-tuned together with its backbone (the head's loss reaching the backbone, as
-# here), did better with 'ce' than with any alternative; fresh heads added to a trained model
-# over a large vocabulary did better with 'kl' or 'lk' than with 'tv'. Checked by
-# tests/test_examples.py, which parses these arguments with Megatron's own
-# parse_args/validate_args with the plugin installed.
+# here), did better with 'ce' than with any alternative for greedy drafts (at T=1: resolved
+# against 'kl' only); fresh heads added to a trained model over a large vocabulary did better
+# with 'kl' or 'lk' than with 'tv'. Checked by tests/test_examples.py, which parses these
+# arguments with Megatron's own parse_args/validate_args with the plugin installed.
 set -euo pipefail
 
 NPROC=${NPROC:-8}
