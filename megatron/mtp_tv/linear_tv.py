@@ -50,6 +50,7 @@ def linear_tv_loss(
     segments: Optional[Sequence[TargetSegment]] = None,
     labels: Optional[torch.Tensor] = None,
     target_logits: Optional[torch.Tensor] = None,
+    fuse_weight_grad: bool = False,
 ) -> TVLossResult:
     """The :class:`TVLossResult` of G MTP depths against a detached target, chunked over tokens.
 
@@ -65,6 +66,9 @@ def linear_tv_loss(
         segments: :class:`TargetSegment` list (default: the whole sequence).
         labels: ``[G, s, b]`` token ids for the greedy accuracy and a loss against labels.
         target_logits: ``[s, b, V/tp]`` main-head logits of ``target_hidden`` (not projected).
+        fuse_weight_grad: the output layer accumulates its weight gradient into
+            ``weight.main_grad`` (its ``gradient_accumulation_fusion``); so does this loss, and
+            autograd gets what Megatron's fused linear returns (:func:`accumulate_into_main_grad`).
 
     Raises:
         TypeError, ValueError: for ``options`` of another type, inputs that do not fit.
@@ -89,7 +93,8 @@ def linear_tv_loss(
         )
         # Results leave via a list: autograd would keep non-differentiable outputs alive.
         results = []
-        loss_value = _LinearTV.apply(draft_hidden, weight, target, token_weights, plan, storage, results)
+        loss_value = _LinearTV.apply(draft_hidden, weight, target, token_weights, plan, storage,
+                                     fuse_weight_grad, results)
         return results[0]._replace(loss=loss_value)
     return sweep(draft_hidden, weight, target, token_weights, plan)[0]  # no gradient work at all
 
@@ -124,8 +129,10 @@ def _check_shape(name: str, tensor: Optional[torch.Tensor], expected) -> None:
 class _LinearTV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, draft_hidden, weight, target, token_weights, plan: SweepPlan, storage: str,
-                results: List[TVLossResult]):
+                fuse_weight_grad: bool, results: List[TVLossResult]):
         need = ctx.needs_input_grad[:2]
+        # A leaf parameter, not saved for backward: its main_grad is what backward writes.
+        ctx.main_grad_weight = weight if fuse_weight_grad and need[1] else None
         if storage == 'dense':  # fp32 gradients formed in forward, scaled in backward
             sink = DenseGradients(draft_hidden, weight, plan.layout, *need)
             saved = [g for g in (sink.draft, sink.weight) if g is not None]
@@ -154,7 +161,24 @@ class _LinearTV(torch.autograd.Function):
             grad_draft.mul_(factor)
         if grad_weight is not None:
             grad_weight.mul_(factor)
-        return grad_draft, grad_weight, None, None, None, None, None
+            if ctx.main_grad_weight is not None:
+                grad_weight = accumulate_into_main_grad(ctx.main_grad_weight, grad_weight)
+        return grad_draft, grad_weight, None, None, None, None, None, None
+
+
+def accumulate_into_main_grad(weight: torch.Tensor, grad_weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """Megatron's gradient-accumulation fusion for a weight gradient formed here: adds
+    ``grad_weight`` (fp32 ``[V/tp, h]``) into ``weight.main_grad`` (fp32 or the buffer's dtype) and
+    returns what ``LinearWithGradAccumulationAndAsyncCommunication.backward`` hands autograd, so
+    that DDP's backward hook treats both alike: with ``grad_added_to_main_grad`` (DDP) a dummy it
+    skips, zeros where ``zero_out_wgrad`` makes it add ``.grad`` (a tied weight's embedding
+    gradient), and without the attribute nothing."""
+    weight.main_grad.add_(grad_weight)
+    if not hasattr(weight, 'grad_added_to_main_grad'):
+        return None
+    weight.grad_added_to_main_grad = True
+    dummy = torch.zeros if getattr(weight, 'zero_out_wgrad', False) else torch.empty
+    return dummy(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
 def _gradients_from_logit_grads(logit_grads, draft_hidden, weight, draft_grad, weight_grad):

@@ -175,6 +175,7 @@ def _mtp_tv_loss(main_hidden, draft_hidden, main_logits, *, labels, loss_mask, o
         return None
     tp_group = tp_group if tp_group is not None else getattr(output_layer, 'tp_group', None)
     weight = _output_weight(output_layer, output_weight, config)
+    fuse_weight_grad = _fuses_weight_grad(output_layer, weight)
     draft, target = _vocab_parallel_layout(
         draft_hidden, main_hidden, depth, tp_group,
         bool(getattr(output_layer, 'sequence_parallel', False)),
@@ -197,6 +198,7 @@ def _mtp_tv_loss(main_hidden, draft_hidden, main_logits, *, labels, loss_mask, o
         labels=(torch.stack(rolled.labels).transpose(1, 2)
                 if is_training or options.loss.needs_labels else None),
         target_logits=main_logits if options.with_target else None,
+        fuse_weight_grad=fuse_weight_grad,
     )
     if is_training:
         save_acceptance_to_tracker(
@@ -261,6 +263,22 @@ def _output_weight(output_layer, output_weight, config) -> Tensor:
             "this output layer has a bias."
         )
     return weight
+
+
+def _fuses_weight_grad(output_layer, weight: Tensor) -> bool:
+    """Whether the loss adds its output-weight gradient into ``main_grad``, as the output layer
+    does under Megatron's ``gradient_accumulation_fusion`` (DDP then skips ``.grad``)."""
+    fused = bool(getattr(output_layer, 'gradient_accumulation_fusion', False))
+    if fused and weight.requires_grad and hasattr(weight, '__fsdp_param__'):
+        # Megatron-FSDP's fused linear overwrites the fetched gradient bucket (``out=``), so a
+        # second writer of the same weight in one backward cannot be ordered safely.
+        raise ValueError(
+            "mtp_loss_type trains the output weight, which is a Megatron-FSDP parameter with "
+            "gradient_accumulation_fusion=True: not supported; set "
+            "gradient_accumulation_fusion=False (--no-gradient-accumulation-fusion) or "
+            "mtp_detach_heads=True."
+        )
+    return fused
 
 
 def _vocab_parallel_layout(draft, main_hidden, depth, tp_group, sequence_parallel, needs_target):

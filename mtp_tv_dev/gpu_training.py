@@ -1,0 +1,123 @@
+"""Megatron-LM's GPU training settings on a CPU (tests only; never the loss path).
+
+``pretrain_gpt.py`` turns ``gradient_accumulation_fusion`` on wherever apex or Transformer Engine
+is installed, and wraps the model in Megatron's ``DistributedDataParallel``. Then
+``LinearWithGradAccumulationAndAsyncCommunication.backward`` adds each weight gradient straight
+into ``weight.main_grad`` with apex's ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32``
+(or ``_fp16``), sets ``weight.grad_added_to_main_grad`` and returns a dummy gradient, and DDP's
+backward hook adds ``param.grad`` to ``main_grad`` only where that flag is unset (or
+``zero_out_wgrad`` is). A loss that forms its own weight gradient must follow that contract, and
+only a model built this way shows whether it does.
+
+:func:`emulated_wgrad_fusion` provides apex's entry point as torch code (``main_grad +=
+grad_output^T @ input``, what the CUDA kernels compute), so that configs with
+``gradient_accumulation_fusion=True`` build and run unchanged, Megatron's own layers included;
+nothing of Megatron's code is patched beyond that module and two CUDA stream calls DDP makes.
+:func:`wrap_in_ddp` wraps a model in Megatron's real DDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from typing import Dict, Iterator, List
+
+import torch
+
+__all__ = ["emulated_wgrad_fusion", "wrap_in_ddp", "main_grads", "DDP_SETTINGS"]
+
+#: DDP settings a GPU job runs with: (name, overlap_grad_reduce, use_distributed_optimizer).
+#: Overlap uses small buckets, so that several buckets start their reduce during backward.
+DDP_SETTINGS = (
+    ('ddp', False, False),
+    ('ddp_overlap', True, False),
+    ('distopt_overlap', True, True),
+)
+
+_OVERLAP_BUCKET_SIZE = 4096
+
+
+def _wgrad_gemm_accum(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad) -> None:
+    """apex's ``wgrad_gemm_accum_fp32`` / ``_fp16``: ``main_grad += grad_output^T @ input``,
+    accumulated in fp32 (``[n, out]`` and ``[n, in]`` rows, any leading shape)."""
+    grad = grad_output.reshape(-1, grad_output.shape[-1]).float()
+    inputs = total_input.reshape(-1, total_input.shape[-1]).float()
+    main_grad.add_((grad.t() @ inputs).to(main_grad.dtype))
+
+
+_APEX = types.ModuleType('fused_weight_gradient_mlp_cuda')
+_APEX.wgrad_gemm_accum_fp32 = _wgrad_gemm_accum
+_APEX.wgrad_gemm_accum_fp16 = _wgrad_gemm_accum
+
+
+class _NoStream:
+    """``torch.cuda.current_stream()`` for DDP's bucket code: nothing runs asynchronously."""
+
+    def wait_event(self, *args) -> None:
+        pass
+
+    def wait_stream(self, *args) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def emulated_wgrad_fusion() -> Iterator[None]:
+    """While open, apex's fused weight-gradient module exists (as torch code) and Megatron's DDP
+    runs on CPU tensors. Build models with ``gradient_accumulation_fusion=True`` inside."""
+    from megatron.core.tensor_parallel import layers
+
+    saved_layers = {name: layers.__dict__.get(name, None)
+                    for name in ('fused_weight_gradient_mlp_cuda', '_grad_accum_fusion_available')}
+    saved_module = sys.modules.get(_APEX.__name__)
+    saved_stream = torch.cuda.current_stream
+    # layers.py imports the module at import time (and checks for it when a linear is built);
+    # drain_embedding_wgrad_compute imports it by name.
+    layers.fused_weight_gradient_mlp_cuda = _APEX
+    layers._grad_accum_fusion_available = True
+    sys.modules[_APEX.__name__] = _APEX
+    torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
+    try:
+        yield
+    finally:
+        torch.cuda.current_stream = saved_stream
+        if saved_module is None:
+            sys.modules.pop(_APEX.__name__, None)
+        else:
+            sys.modules[_APEX.__name__] = saved_module
+        for name, value in saved_layers.items():
+            if value is None:
+                layers.__dict__.pop(name, None)
+            else:
+                setattr(layers, name, value)
+
+
+def wrap_in_ddp(model, overlap_grad_reduce: bool, use_distributed_optimizer: bool):
+    """``model`` inside Megatron's ``DistributedDataParallel`` (fp32 gradient buffer), its
+    gradient buffers zeroed."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer,
+        bucket_size=_OVERLAP_BUCKET_SIZE if overlap_grad_reduce else None,
+    )
+    ddp = DistributedDataParallel(model.config, ddp_config, model)
+    ddp.zero_grad_buffer()
+    return ddp
+
+
+def main_grads(model, names: List[str] = None) -> Dict[str, torch.Tensor]:
+    """Every parameter's gradient by name: ``main_grad`` where DDP gave it one, else ``.grad``."""
+    out = {}
+    for name, param in model.named_parameters():
+        if names is not None and name not in names:
+            continue
+        grad = getattr(param, 'main_grad', None)
+        grad = param.grad if grad is None else grad
+        out[name] = None if grad is None else grad.detach().clone()
+    return out

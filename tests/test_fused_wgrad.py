@@ -1,0 +1,115 @@
+"""Gradients as a GPU job forms them: gradient-accumulation fusion inside Megatron's DDP.
+
+Megatron-LM turns ``gradient_accumulation_fusion`` on wherever apex or Transformer Engine is
+installed: the output layer then adds its weight gradient into ``main_grad`` and hands autograd a
+dummy that DDP's hook skips, so a weight gradient the MTP loss returned through autograd alone
+was dropped for an untied output layer. Here every loss runs in a model built with fusion on
+(apex's entry point emulated, :mod:`mtp_tv_dev.gpu_training`), wrapped in Megatron's own DDP with
+each setting of :data:`~mtp_tv_dev.gpu_training.DDP_SETTINGS` (overlapped reduce in small
+buckets, the distributed optimizer's buffers), and after backward and the gradient sync every
+parameter's ``main_grad`` must equal the plain autograd gradient of the same model without
+fusion or DDP: tied and untied output weights, ``mtp_detach_heads`` on and off, the TV losses'
+target from the main logits and from their own projection. Pipeline stages: test_fused_wgrad_pp.py.
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+import megatron.mtp_tv
+from megatron.mtp_tv.losses import LOSSES
+from mtp_tv_dev.distributed import single_process
+from mtp_tv_dev.gpu_training import DDP_SETTINGS, emulated_wgrad_fusion, main_grads, wrap_in_ddp
+from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss, own_projection, random_batch
+
+megatron.mtp_tv.install()
+
+VOCAB, HIDDEN, SEQ, BATCH, DEPTHS = 64, 32, 16, 2, 2
+#: name: the config fields of the MTP loss; 'ce' is Megatron's own code.
+LOSS_CONFIGS = {
+    'ce': dict(mtp_loss_type='ce'),
+    'ce_chunked': dict(mtp_loss_type='ce', mtp_ce_chunked=True),
+    **{name: dict(mtp_loss_type=name) for name in LOSSES},
+}
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _step(config, tie, detach, fused, ddp_setting=None, scale=0.3):
+    """One forward and backward of a fresh model (same weights every call); the gradients."""
+    model = build_gpt_with_mtp(
+        vocab_size=VOCAB, hidden_size=HIDDEN, mtp_num_layers=DEPTHS, seq_length=SEQ,
+        tie_embeddings=tie, mtp_detach_heads=detach, mtp_tv_chunk=5,
+        mtp_loss_scaling_factor=scale, gradient_accumulation_fusion=fused, **config,
+    )
+    module = model if ddp_setting is None else wrap_in_ddp(model, *ddp_setting)
+    tokens, labels, mask = random_batch(VOCAB, SEQ, BATCH, seed=3)
+    (forward_loss(module, tokens, labels, mask) * mask).sum().backward()
+    if ddp_setting is not None:
+        module.finish_grad_sync()
+    return main_grads(model)
+
+
+def _assert_same(got, expected, msg):
+    assert got.keys() == expected.keys(), msg
+    for name, ref in expected.items():
+        assert got[name] is not None, f'{msg}: no gradient for {name}'
+        torch.testing.assert_close(got[name], ref, rtol=RTOL, atol=ATOL, msg=f'{msg}: {name}')
+
+
+# Megatron's own 'ce' projects every depth itself: one source.
+CASES = [(loss, source) for loss in LOSS_CONFIGS
+         for source in (('main_logits',) if loss == 'ce' else ('main_logits', 'own_projection'))]
+
+
+@pytest.mark.parametrize('detach', [False, True], ids=['trained_heads', 'detached_heads'])
+@pytest.mark.parametrize('tie', [False, True], ids=['untied', 'tied'])
+@pytest.mark.parametrize('loss, source', CASES)
+def test_fused_ddp_gradients_match_plain_autograd(loss, source, tie, detach):
+    config = LOSS_CONFIGS[loss]
+    projection = own_projection() if source == 'own_projection' else contextlib.nullcontext()
+    with single_process(), projection:
+        expected = _step(config, tie, detach, fused=False)
+        # The output weight without the MTP loss: its share must survive fusion, to 1%.
+        weight = 'embedding.word_embeddings.weight' if tie else 'output_layer.weight'
+        without = _step(config, tie, detach, fused=False, scale=0.0)[weight]
+        share = expected[weight] - without
+        assert (share.norm() > 0) != detach, f'{loss}: the share of a detached output weight'
+        with emulated_wgrad_fusion():
+            for name, *setting in DDP_SETTINGS:
+                got = _step(config, tie, detach, fused=True, ddp_setting=setting)
+                msg = f'{loss}, {name}'
+                _assert_same(got, expected, msg)
+                lost = (got[weight] - without - share).norm()
+                assert lost <= 1e-2 * share.norm(), f'{msg}: {lost} of the share {share.norm()}'
+
+
+@pytest.mark.parametrize('tie', [False, True], ids=['untied', 'tied'])
+def test_chunked_ce_equals_megatron_ce_under_fusion(tie):
+    """The project's chunked 'ce' is Megatron's 'ce' in every main_grad, fused, in DDP."""
+    with single_process(), emulated_wgrad_fusion():
+        for name, *setting in DDP_SETTINGS:
+            megatron_ce = _step(LOSS_CONFIGS['ce'], tie, False, fused=True, ddp_setting=setting)
+            chunked = _step(LOSS_CONFIGS['ce_chunked'], tie, False, fused=True, ddp_setting=setting)
+            _assert_same(chunked, megatron_ce, f'chunked ce vs Megatron ce, {name}')
+
+
+def test_fused_output_layer_without_ddp_flag_keeps_autograd_contract():
+    """Without DDP's ``grad_added_to_main_grad`` attribute the loss returns no autograd gradient
+    for the weight, as Megatron's linear does, and the whole gradient is in ``main_grad``."""
+    from megatron.mtp_tv.linear_tv import accumulate_into_main_grad
+
+    weight = torch.nn.Parameter(torch.randn(6, 4))
+    weight.main_grad = torch.ones(6, 4)
+    grad = torch.randn(6, 4)
+    assert accumulate_into_main_grad(weight, grad) is None
+    torch.testing.assert_close(weight.main_grad, 1 + grad)
+    weight.grad_added_to_main_grad = False
+    dummy = accumulate_into_main_grad(weight, grad)
+    assert weight.grad_added_to_main_grad and dummy.shape == weight.shape
+    weight.zero_out_wgrad = True
+    assert accumulate_into_main_grad(weight, grad).abs().sum() == 0
+    bf16 = torch.nn.Parameter(torch.randn(6, 4))
+    bf16.main_grad = torch.zeros(6, 4, dtype=torch.bfloat16)
+    accumulate_into_main_grad(bf16, grad)
+    torch.testing.assert_close(bf16.main_grad, grad.bfloat16())
