@@ -25,7 +25,9 @@ from typing import Dict, Iterator, List
 
 import torch
 
-__all__ = ["emulated_wgrad_fusion", "wrap_in_ddp", "main_grads", "DDP_SETTINGS"]
+__all__ = [
+    "emulated_wgrad_fusion", "wrap_in_ddp", "main_grads", "defer_output_layer_wgrad", "DDP_SETTINGS",
+]
 
 #: DDP settings a GPU job runs with: (name, overlap_grad_reduce, use_distributed_optimizer).
 #: Overlap uses small buckets, so that several buckets start their reduce during backward.
@@ -40,10 +42,12 @@ _OVERLAP_BUCKET_SIZE = 4096
 
 def _wgrad_gemm_accum(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad) -> None:
     """apex's ``wgrad_gemm_accum_fp32`` / ``_fp16``: ``main_grad += grad_output^T @ input``,
-    accumulated in fp32 (``[n, out]`` and ``[n, in]`` rows, any leading shape)."""
-    grad = grad_output.reshape(-1, grad_output.shape[-1]).float()
-    inputs = total_input.reshape(-1, total_input.shape[-1]).float()
-    main_grad.add_((grad.t() @ inputs).to(main_grad.dtype))
+    accumulated in fp32 (``[n, out]`` and ``[n, in]`` rows, any leading shape). A CUDA kernel
+    outside autograd: the deferred drain hands it activations that still require grad."""
+    with torch.no_grad():
+        grad = grad_output.reshape(-1, grad_output.shape[-1]).float()
+        inputs = total_input.reshape(-1, total_input.shape[-1]).float()
+        main_grad.add_((grad.t() @ inputs).to(main_grad.dtype))
 
 
 _APEX = types.ModuleType('fused_weight_gradient_mlp_cuda')
@@ -95,9 +99,9 @@ def emulated_wgrad_fusion() -> Iterator[None]:
                 setattr(layers, name, value)
 
 
-def wrap_in_ddp(model, overlap_grad_reduce: bool, use_distributed_optimizer: bool):
+def wrap_in_ddp(model, overlap_grad_reduce: bool, use_distributed_optimizer: bool, config=None):
     """``model`` inside Megatron's ``DistributedDataParallel`` (fp32 gradient buffer), its
-    gradient buffers zeroed."""
+    gradient buffers zeroed; ``config``: the one the schedule reads (default: the model's)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
@@ -106,7 +110,7 @@ def wrap_in_ddp(model, overlap_grad_reduce: bool, use_distributed_optimizer: boo
         use_distributed_optimizer=use_distributed_optimizer,
         bucket_size=_OVERLAP_BUCKET_SIZE if overlap_grad_reduce else None,
     )
-    ddp = DistributedDataParallel(model.config, ddp_config, model)
+    ddp = DistributedDataParallel(config or model.config, ddp_config, model)
     ddp.zero_grad_buffer()
     return ddp
 
@@ -121,3 +125,26 @@ def main_grads(model, names: List[str] = None) -> Dict[str, torch.Tensor]:
         grad = param.grad if grad is None else grad
         out[name] = None if grad is None else grad.detach().clone()
     return out
+
+
+def defer_output_layer_wgrad(model, wgrad_deferral_limit: int = 0):
+    """``defer_embedding_wgrad_compute`` for the output layer of ``model`` (the last stage's),
+    returned as the config to hand DDP (the schedule reads its flag there and drains the deferred
+    gradients in the pipeline flush).
+
+    On a GPU the flag lives in the one config every module shares, and only the output layer acts
+    on it: Transformer Engine's linears ignore it. The local spec's ``ColumnParallelLinear``
+    (``linear_qkv``, ``linear_fc1``) would append to activation buffers they do not have, so
+    here the output layer alone gets a config with the flag, and the buffers ``GPTModel`` makes
+    for it.
+    """
+    import dataclasses
+
+    config = dataclasses.replace(model.config, defer_embedding_wgrad_compute=True,
+                                 wgrad_deferral_limit=wgrad_deferral_limit)
+    model.embedding_activation_buffer, model.grad_output_buffer = [], []
+    layer = model.output_layer
+    layer.config = config
+    layer.embedding_activation_buffer = model.embedding_activation_buffer
+    layer.grad_output_buffer = model.grad_output_buffer
+    return config

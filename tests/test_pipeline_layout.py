@@ -33,7 +33,6 @@ loss, which sees only the hidden states.
 """
 
 import contextlib
-import functools
 
 import pytest
 import torch
@@ -41,6 +40,7 @@ import torch
 import megatron.mtp_tv
 from megatron.mtp_tv.losses import LOSSES
 from mtp_tv_dev.distributed import spawn
+from mtp_tv_dev.pipeline import build_stage_gpt, init_pipeline, run_schedule
 
 megatron.mtp_tv.install()
 
@@ -71,88 +71,10 @@ def _config(num_layers, depth, loss_type, pp=1, layout=None):
     )
 
 
-def _model(config, tie, pre_process=True, post_process=True):
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_mtp_block_spec,
-    )
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    from mtp_tv_dev.distributed import seed_everything
-
-    layer_spec = get_gpt_layer_local_spec()
-    seed_everything(1234)
-    # The copies of the word embedding on other stages are synced to the first stage's by an
-    # all-reduce of `weight.data.cuda()` (LanguageModule.setup_embeddings_and_output_layer):
-    # on a CPU the tensor stays where it is.
-    saved = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    try:
-        return GPTModel(
-            config=config, transformer_layer_spec=layer_spec, vocab_size=VOCAB,
-            max_sequence_length=SEQ, pre_process=pre_process, post_process=post_process,
-            mtp_block_spec=get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False),
-            share_embeddings_and_output_weights=tie, position_embedding_type='rope',
-            parallel_output=True,
-        )
-    finally:
-        torch.Tensor.cuda = saved
-
-
 def _batches():
     from mtp_tv_dev.models import random_batch
 
     return [random_batch(VOCAB, SEQ, BATCH, seed=10 + i) for i in range(MICRO)]
-
-
-def _forward_step(data_iterator, model):
-    from mtp_tv_dev.cpu import causal_attention_mask
-
-    tokens, labels, mask = next(data_iterator)
-    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
-    output = model(input_ids=tokens, position_ids=position_ids,
-                   attention_mask=causal_attention_mask(SEQ), labels=labels, loss_mask=mask)
-    return output, functools.partial(_loss_func, mask)
-
-
-def _loss_func(mask, losses):
-    """pretrain_gpt's loss function: summed masked loss and the token count (the schedule
-    divides by both and by the number of micro-batches)."""
-    loss = (losses.float() * mask).sum()
-    tokens = mask.sum().to(torch.int)
-    return loss, tokens, {'lm loss': (loss.detach() / tokens).clone()}
-
-
-class _TorchOnCpu:
-    """``torch`` as the schedules module sees it, with ``device='cuda'`` allocations on the CPU
-    (``schedules.py`` allocates its token counter with ``device="cuda"``)."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def zeros(*args, device=None, **kwargs):
-        return torch.zeros(*args, device='cpu' if device == 'cuda' else device, **kwargs)
-
-
-def _run_schedule(model, batches):
-    """Megatron's own schedule for this parallel state, one step of ``len(batches)``
-    micro-batches, on the CPU; returns what the last stage's loss function reported."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
-
-    saved_torch, saved_sync = schedules.torch, torch.cuda.synchronize
-    schedules.torch = _TorchOnCpu()
-    # p2p_communication synchronises CUDA after exchanging shapes (mtp_standalone): nothing to
-    # wait for on a CPU.
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-    try:
-        return get_forward_backward_func()(
-            forward_step_func=_forward_step, data_iterator=iter(batches), model=[model],
-            num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=BATCH,
-            forward_only=False,
-        )
-    finally:
-        schedules.torch, torch.cuda.synchronize = saved_torch, saved_sync
 
 
 def _logged():
@@ -168,9 +90,9 @@ def _reference(name, tie, loss_type):
 
     def run(rank):
         _, _, num_layers, depth, _ = LAYOUTS[name]
-        model = _model(_config(num_layers, depth, loss_type), tie)
+        model = build_stage_gpt(_config(num_layers, depth, loss_type), tie, VOCAB, SEQ)
         reset_mtp_tracker()
-        losses = _run_schedule(model, _batches())
+        losses = run_schedule(model, _batches())
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
                  if p.grad is not None}
@@ -217,25 +139,6 @@ def _loss_inputs_seen():
             setattr(gpt_model, name, original)
 
 
-def _init_pipeline(pp, tie, mtp_stage):
-    """Megatron's parallel state with PP=``pp`` on this world; the embedding group as
-    Megatron-LM's ``pretrain_gpt.get_embedding_ranks`` makes it."""
-    from megatron.core import parallel_state
-
-    from mtp_tv_dev.distributed import reset_megatron_state, seed_everything
-
-    def embedding_ranks(pp_ranks, *args):
-        ranks = {pp_ranks[0], pp_ranks[mtp_stage]} | ({pp_ranks[-1]} if tie else set())
-        return sorted(ranks)
-
-    reset_megatron_state()
-    parallel_state.initialize_model_parallel(
-        pipeline_model_parallel_size=pp, create_gloo_process_groups=False,
-        get_embedding_ranks=embedding_ranks,
-    )
-    seed_everything(1234)
-
-
 def _pipeline_worker(rank, pp, names, references):
     """Every (layout, tie, loss) of ``names`` on this PP world; per case this stage's losses,
     logged MTP losses and gradients keyed by the one-stage model's parameter names."""
@@ -248,7 +151,8 @@ def _pipeline_worker(rank, pp, names, references):
     for tie in TIES:
         stages = {LAYOUTS[name][4] for name in names}
         assert len(stages) == 1, 'one embedding group per world: one MTP stage'
-        _init_pipeline(pp, tie, stages.pop())
+        mtp_stage = stages.pop()
+        init_pipeline(pp, [0, mtp_stage] + ([pp - 1] if tie else []))
         first = parallel_state.is_pipeline_first_stage()
         last = parallel_state.is_pipeline_last_stage()
         for name in names:
@@ -257,7 +161,7 @@ def _pipeline_worker(rank, pp, names, references):
                 weights = references[name, tie, loss_type][0]
                 config = _config(num_layers, depth, loss_type, pp, layout)
                 assert config.mtp_standalone  # MTP on an earlier stage than the loss
-                model = _model(config, tie, pre_process=first, post_process=last)
+                model = build_stage_gpt(config, tie, VOCAB, SEQ, pre_process=first, post_process=last)
                 synced = (model.embedding.word_embeddings.weight.detach().clone()
                           if hasattr(model, 'embedding') else None)
                 with torch.no_grad():
@@ -265,7 +169,7 @@ def _pipeline_worker(rank, pp, names, references):
                         param.copy_(weights[_reference_name(model, param_name, tie)])
                 reset_mtp_tracker()
                 with _loss_inputs_seen() as seen:
-                    losses = _run_schedule(model, _batches())
+                    losses = run_schedule(model, _batches())
                 grads = {}
                 for param_name, param in model.named_parameters():
                     assert param.grad is not None, f'stage {rank}: no gradient for {param_name}'
