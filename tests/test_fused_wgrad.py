@@ -113,3 +113,17 @@ def test_fused_output_layer_without_ddp_flag_keeps_autograd_contract():
     bf16.main_grad = torch.zeros(6, 4, dtype=torch.bfloat16)
     accumulate_into_main_grad(bf16, grad)
     torch.testing.assert_close(bf16.main_grad, grad.bfloat16())
+
+
+def test_megatron_fsdp_output_weight_under_fusion_is_refused():
+    """Megatron-FSDP's fused linear overwrites the fetched gradient bucket (``out=``): a second
+    writer of the output weight in one backward cannot be ordered, so the loss refuses it."""
+    with single_process(), emulated_wgrad_fusion():
+        model = build_gpt_with_mtp(vocab_size=VOCAB, hidden_size=HIDDEN, mtp_num_layers=DEPTHS,
+                                   seq_length=SEQ, tie_embeddings=False, mtp_loss_type='tv',
+                                   gradient_accumulation_fusion=True)
+        model.output_layer.weight.__fsdp_param__ = True  # what Megatron-FSDP marks
+        tokens, labels, mask = random_batch(VOCAB, SEQ, BATCH, seed=3)
+        with pytest.raises(ValueError, match=r"mtp_loss_type='tv'.*Megatron-FSDP.*"
+                                             r"gradient_accumulation_fusion=False"):
+            forward_loss(model, tokens, labels, mask)

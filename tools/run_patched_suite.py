@@ -46,6 +46,8 @@ PATCH_MODE_TESTS = (
     'tests/test_parallel.py',
     'tests/test_tp_cp.py',
     'tests/test_pipeline_layout.py',
+    'tests/test_fused_wgrad.py',
+    'tests/test_fused_wgrad_pp.py',
     'tests/test_chunked_ce.py',
     'tests/test_args_forwarding.py',
     'tests/test_args_guard.py',

@@ -175,7 +175,7 @@ def _mtp_tv_loss(main_hidden, draft_hidden, main_logits, *, labels, loss_mask, o
         return None
     tp_group = tp_group if tp_group is not None else getattr(output_layer, 'tp_group', None)
     weight = _output_weight(output_layer, output_weight, config)
-    fuse_weight_grad = _fuses_weight_grad(output_layer, weight)
+    fuse_weight_grad = _fuses_weight_grad(output_layer, weight, config.mtp_loss_type)
     draft, target = _vocab_parallel_layout(
         draft_hidden, main_hidden, depth, tp_group,
         bool(getattr(output_layer, 'sequence_parallel', False)),
@@ -265,18 +265,21 @@ def _output_weight(output_layer, output_weight, config) -> Tensor:
     return weight
 
 
-def _fuses_weight_grad(output_layer, weight: Tensor) -> bool:
+def _fuses_weight_grad(output_layer, weight: Tensor, loss_type: str) -> bool:
     """Whether the loss adds its output-weight gradient into ``main_grad``, as the output layer
-    does under Megatron's ``gradient_accumulation_fusion`` (DDP then skips ``.grad``)."""
-    fused = bool(getattr(output_layer, 'gradient_accumulation_fusion', False))
+    does under Megatron's ``gradient_accumulation_fusion`` (DDP then skips ``.grad``): Megatron's
+    ``ColumnParallelLinear`` holds the flag as ``gradient_accumulation_fusion``, Transformer
+    Engine's output projection (``TELMHeadColumnParallelLinear``) as ``fuse_wgrad_accumulation``."""
+    fused = bool(getattr(output_layer, 'gradient_accumulation_fusion', False)
+                 or getattr(output_layer, 'fuse_wgrad_accumulation', False))
     if fused and weight.requires_grad and hasattr(weight, '__fsdp_param__'):
         # Megatron-FSDP's fused linear overwrites the fetched gradient bucket (``out=``), so a
         # second writer of the same weight in one backward cannot be ordered safely.
         raise ValueError(
-            "mtp_loss_type trains the output weight, which is a Megatron-FSDP parameter with "
-            "gradient_accumulation_fusion=True: not supported; set "
-            "gradient_accumulation_fusion=False (--no-gradient-accumulation-fusion) or "
-            "mtp_detach_heads=True."
+            f"mtp_loss_type={loss_type!r} trains the output weight, a Megatron-FSDP parameter, "
+            "with gradient_accumulation_fusion=True: not supported (Megatron-FSDP's fused linear "
+            "overwrites the gradient bucket); set gradient_accumulation_fusion=False "
+            "(--no-gradient-accumulation-fusion) or mtp_detach_heads=True."
         )
     return fused
 
