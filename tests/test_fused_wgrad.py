@@ -42,7 +42,12 @@ def _step(config, tie, detach, fused, ddp_setting=None, scale=0.3):
         tie_embeddings=tie, mtp_detach_heads=detach, mtp_tv_chunk=5,
         mtp_loss_scaling_factor=scale, gradient_accumulation_fusion=fused, **config,
     )
-    module = model if ddp_setting is None else wrap_in_ddp(model, *ddp_setting)
+    module = model
+    if model.config.params_dtype != torch.float32:  # Megatron-LM's mixed-precision wrapper
+        from megatron.core.transformer.module import Float16Module
+
+        module = Float16Module(model.config, model)
+    module = module if ddp_setting is None else wrap_in_ddp(module, *ddp_setting)
     tokens, labels, mask = random_batch(VOCAB, SEQ, BATCH, seed=3)
     (forward_loss(module, tokens, labels, mask) * mask).sum().backward()
     if ddp_setting is not None:
@@ -127,3 +132,46 @@ def test_megatron_fsdp_output_weight_under_fusion_is_refused():
         with pytest.raises(ValueError, match=r"mtp_loss_type='tv'.*Megatron-FSDP.*"
                                              r"gradient_accumulation_fusion=False"):
             forward_loss(model, tokens, labels, mask)
+
+
+#: Other settings of a GPU job, each on top of fusion in DDP (overlapped reduce, the distributed
+#: optimizer's buffers): name -> TransformerConfig fields.
+GPU_SETTINGS = {
+    'calculate_per_token_loss': dict(calculate_per_token_loss=True),
+    'full_recompute': dict(recompute_granularity='full', recompute_method='uniform',
+                           recompute_num_layers=1),
+    'selective_recompute': dict(recompute_granularity='selective'),
+    'cross_entropy_loss_fusion': dict(cross_entropy_loss_fusion=True,
+                                      cross_entropy_fusion_impl='native'),
+}
+
+
+@pytest.mark.parametrize('setting', list(GPU_SETTINGS))
+def test_fused_ddp_gradients_under_other_gpu_settings(setting):
+    """Every loss, untied and trained heads (where the share was lost), equal to plain autograd
+    of the same config."""
+    ddp_setting = DDP_SETTINGS[-1][1:]
+    with single_process():
+        for loss, config in LOSS_CONFIGS.items():
+            config = dict(config, **GPU_SETTINGS[setting])
+            expected = _step(config, False, False, fused=False)
+            with emulated_wgrad_fusion():
+                got = _step(config, False, False, fused=True, ddp_setting=ddp_setting)
+            _assert_same(got, expected, f'{loss}, {setting}')
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16], ids=['bf16', 'fp16'])
+def test_fused_ddp_gradients_in_mixed_precision(dtype):
+    """bf16 / fp16 parameters inside ``Float16Module``, fp32 ``main_grad``: every gradient equal
+    to plain autograd in the same dtype to that dtype's rounding (at this size the MTP share is
+    below the rounding of the whole gradient: the fp32 cases hold the share itself)."""
+    half = dict(params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+    with single_process():
+        for loss, config in LOSS_CONFIGS.items():
+            config = dict(config, **half)
+            expected = _step(config, False, False, fused=False)
+            with emulated_wgrad_fusion():
+                got = _step(config, False, False, fused=True, ddp_setting=DDP_SETTINGS[-1][1:])
+            for name, ref in expected.items():
+                error = (got[name].float() - ref.float()).norm() / ref.float().norm()
+                assert error < 1e-2, f'{loss}, {dtype}: {name} off by {error:.2e}'
