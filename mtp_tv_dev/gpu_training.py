@@ -26,7 +26,8 @@ from typing import Dict, Iterator, List
 import torch
 
 __all__ = [
-    "emulated_wgrad_fusion", "wrap_in_ddp", "main_grads", "defer_output_layer_wgrad", "DDP_SETTINGS",
+    "emulated_wgrad_fusion", "wrap_in_ddp", "main_grads", "defer_output_layer_wgrad",
+    "gradients_after_step", "DDP_SETTINGS",
 ]
 
 #: DDP settings a GPU job runs with: (name, overlap_grad_reduce, use_distributed_optimizer).
@@ -68,12 +69,23 @@ class _NoStream:
         pass
 
 
+def apex_wgrad_fusion_installed() -> bool:
+    """Whether apex's real ``fused_weight_gradient_mlp_cuda`` is importable here."""
+    import importlib.util
+
+    return importlib.util.find_spec(_APEX.__name__) is not None
+
+
 @contextlib.contextmanager
 def emulated_wgrad_fusion() -> Iterator[None]:
     """While open, apex's fused weight-gradient module exists (as torch code) and Megatron's DDP
-    runs on CPU tensors. Build models with ``gradient_accumulation_fusion=True`` inside."""
+    runs on CPU tensors. Build models with ``gradient_accumulation_fusion=True`` inside. Where
+    apex is installed its own kernels stay; on a machine with CUDA the streams stay real."""
     from megatron.core.tensor_parallel import layers
 
+    if apex_wgrad_fusion_installed() and layers._grad_accum_fusion_available:
+        yield
+        return
     saved_layers = {name: layers.__dict__.get(name, None)
                     for name in ('fused_weight_gradient_mlp_cuda', '_grad_accum_fusion_available')}
     saved_module = sys.modules.get(_APEX.__name__)
@@ -83,7 +95,8 @@ def emulated_wgrad_fusion() -> Iterator[None]:
     layers.fused_weight_gradient_mlp_cuda = _APEX
     layers._grad_accum_fusion_available = True
     sys.modules[_APEX.__name__] = _APEX
-    torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
+    if not torch.cuda.is_available():
+        torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
     try:
         yield
     finally:
@@ -148,3 +161,32 @@ def defer_output_layer_wgrad(model, wgrad_deferral_limit: int = 0):
     layer.embedding_activation_buffer = model.embedding_activation_buffer
     layer.grad_output_buffer = model.grad_output_buffer
     return config
+
+
+def gradients_after_step(loss_fields: Dict, tie: bool, detach: bool, fused: bool,
+                         ddp_setting=None, scale: float = 0.3, device: str = 'cpu',
+                         vocab: int = 64, hidden: int = 32, seq: int = 16, batch: int = 2,
+                         depths: int = 2) -> Dict[str, torch.Tensor]:
+    """One forward and backward of a fresh seeded ``GPTModel`` with MTP (the same weights every
+    call); every parameter's gradient (``main_grad`` in DDP). ``loss_fields``: the config fields
+    of the MTP loss and any other setting; ``ddp_setting``: ``(overlap_grad_reduce,
+    use_distributed_optimizer)`` or None for plain autograd. Half-precision parameters run inside
+    ``Float16Module``, as Megatron-LM builds them. Inside Megatron's parallel state."""
+    from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss, random_batch
+
+    model = build_gpt_with_mtp(
+        vocab_size=vocab, hidden_size=hidden, mtp_num_layers=depths, seq_length=seq,
+        tie_embeddings=tie, mtp_detach_heads=detach, mtp_tv_chunk=5,
+        mtp_loss_scaling_factor=scale, gradient_accumulation_fusion=fused, **loss_fields,
+    ).to(device)
+    module = model
+    if model.config.params_dtype != torch.float32:
+        from megatron.core.transformer.module import Float16Module
+
+        module = Float16Module(model.config, model)
+    module = module if ddp_setting is None else wrap_in_ddp(module, *ddp_setting)
+    tokens, labels, mask = (t.to(device) for t in random_batch(vocab, seq, batch, seed=3))
+    (forward_loss(module, tokens, labels, mask) * mask).sum().backward()
+    if ddp_setting is not None:
+        module.finish_grad_sync()
+    return main_grads(model)

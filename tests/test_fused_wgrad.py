@@ -20,7 +20,7 @@ import torch
 import megatron.mtp_tv
 from megatron.mtp_tv.losses import LOSSES
 from mtp_tv_dev.distributed import single_process
-from mtp_tv_dev.gpu_training import DDP_SETTINGS, emulated_wgrad_fusion, main_grads, wrap_in_ddp
+from mtp_tv_dev.gpu_training import DDP_SETTINGS, emulated_wgrad_fusion, gradients_after_step
 from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss, own_projection, random_batch
 
 megatron.mtp_tv.install()
@@ -37,22 +37,8 @@ RTOL, ATOL = 1e-5, 1e-6
 
 def _step(config, tie, detach, fused, ddp_setting=None, scale=0.3):
     """One forward and backward of a fresh model (same weights every call); the gradients."""
-    model = build_gpt_with_mtp(
-        vocab_size=VOCAB, hidden_size=HIDDEN, mtp_num_layers=DEPTHS, seq_length=SEQ,
-        tie_embeddings=tie, mtp_detach_heads=detach, mtp_tv_chunk=5,
-        mtp_loss_scaling_factor=scale, gradient_accumulation_fusion=fused, **config,
-    )
-    module = model
-    if model.config.params_dtype != torch.float32:  # Megatron-LM's mixed-precision wrapper
-        from megatron.core.transformer.module import Float16Module
-
-        module = Float16Module(model.config, model)
-    module = module if ddp_setting is None else wrap_in_ddp(module, *ddp_setting)
-    tokens, labels, mask = random_batch(VOCAB, SEQ, BATCH, seed=3)
-    (forward_loss(module, tokens, labels, mask) * mask).sum().backward()
-    if ddp_setting is not None:
-        module.finish_grad_sync()
-    return main_grads(model)
+    return gradients_after_step(config, tie, detach, fused, ddp_setting, scale, vocab=VOCAB,
+                                hidden=HIDDEN, seq=SEQ, batch=BATCH, depths=DEPTHS)
 
 
 def _assert_same(got, expected, msg):

@@ -17,7 +17,9 @@ Phases (``tools/gpucheck/``):
    torch row ops at vocabularies 151936 and 129280; bf16 against fp32; the chunked CE against
    Megatron's; the main-logits target against the projection; one chunk above 2^31 logits
    (151936 x 16384); a ``GPTModel`` with MTP trained a few steps in bf16 with ``'ce'`` and
-   ``'tv'``, finite and bit-identical across two runs.
+   ``'tv'``, finite and bit-identical across two runs; every loss's gradients under
+   gradient-accumulation fusion in Megatron's DDP against plain autograd (apex's kernel where
+   installed, its torch stand-in elsewhere: the path is recorded).
 3. **bench**: per shape (tokens 4096/16384, hidden 4096/7168, vocabulary 151936/129280, 1 and 3
    depths), every case against Megatron's MTP cross-entropy in the same rounds: time ratios,
    peak memory (allocated and reserved), TFLOP/s against a same-run bf16 GEMM; the targets.
@@ -213,6 +215,9 @@ def main(argv=None) -> int:
         print(f'gpu_check: {error}', file=sys.stderr)
         return 2
     pre['megatron_ce'] = 'vocab_parallel_cross_entropy'
+    from megatron.core import package_info
+
+    pre['megatron_core'] = package_info.__version__
     import megatron.mtp_tv
     from gpucheck import bench as B
     from gpucheck import correctness as C
@@ -245,6 +250,7 @@ def main(argv=None) -> int:
         ('big_chunk', lambda: C.big_chunk(device, kernels, dtype, *((256, 64, 1024) if quick
                                                                     else (16384, 1024, 151936)))),
         ('model', lambda: C.model_steps(device, kernels, quick)),
+        ('fused_wgrad', lambda: C.fused_weight_gradient(device, kernels, quick)),
     ]
     for name, run in correctness:
         if name in skip:

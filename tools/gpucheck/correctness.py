@@ -281,3 +281,39 @@ def model_steps(device: str, kernels: str, quick: bool, steps: int = 3) -> List[
                      'main_losses': losses_a, 'finite': finite, 'deterministic': same,
                      'ok': finite and same})
     return rows
+
+
+def fused_weight_gradient(device: str, kernels: str, quick: bool) -> List[Dict]:
+    """Every loss in a ``GPTModel`` built with ``gradient_accumulation_fusion=True`` (apex's
+    kernel where installed, else its torch stand-in) inside Megatron's DDP with the overlapped
+    reduce and the distributed optimizer's buffers: every ``main_grad`` against plain autograd
+    of the same fp32 model, the untied output weight (whose MTP share fusion once dropped)
+    reported on its own."""
+    from mtp_tv_dev.gpu_training import (
+        apex_wgrad_fusion_installed,
+        emulated_wgrad_fusion,
+        gradients_after_step,
+    )
+
+    path = 'apex' if apex_wgrad_fusion_installed() else 'torch stand-in for apex'
+    shape = dict(vocab=128, hidden=32, seq=16) if quick else dict(vocab=32768, hidden=1024, seq=512)
+    configs = {'ce': dict(mtp_loss_type='ce'),
+               'ce_chunked': dict(mtp_loss_type='ce', mtp_ce_chunked=True),
+               **{name: dict(mtp_loss_type=name) for name in ('tv', 'e2e_tv', 'kl', 'lk', 'nla')}}
+    rows = []
+    for loss, fields in configs.items():
+        fields = dict(fields, mtp_tv_kernels=kernels)
+        with _model_world(device):
+            expected = gradients_after_step(fields, False, False, fused=False, device=device,
+                                            **shape)
+            with emulated_wgrad_fusion():
+                got = gradients_after_step(fields, False, False, fused=True,
+                                           ddp_setting=(True, True), device=device, **shape)
+        errs = {name: (got[name].float() - ref.float()).norm().item()
+                / max(ref.float().norm().item(), 1e-12) for name, ref in expected.items()}
+        worst = max(errs, key=errs.get)
+        rows.append({'check': 'fused weight gradient in DDP', 'loss_type': loss,
+                     'fusion_path': path, 'output_weight_rel_err': errs['output_layer.weight'],
+                     'worst_param': worst, 'worst_rel_err': errs[worst],
+                     'ok': errs[worst] < 1e-4})
+    return rows
