@@ -173,10 +173,11 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert report['checks'] and all(c['ok'] for c in report['checks'])
     assert {name: p['status'] for name, p in report['phases'].items()} == {
         name: 'done' for name in ('reference', 'kernels', 'bf16', 'chunked_ce', 'main_logits',
-                                  'big_chunk', 'model', 'fused_wgrad', 'bench')}
+                                  'big_chunk', 'model', 'fused_wgrad', 'precision', 'bench')}
     assert {c['check'] for c in report['checks']} >= {
         'reference', 'bf16 vs fp32', 'chunked ce vs megatron ce', 'main logits vs projection',
-        'big chunk', 'GPTModel bf16 steps', 'fused weight gradient in DDP'}
+        'big chunk', 'GPTModel bf16 steps', 'fused weight gradient in DDP',
+        'gradient precision vs float64'}
     fused = [c for c in report['checks'] if c['check'] == 'fused weight gradient in DDP']
     assert {c['loss_type'] for c in fused} == {'ce', 'ce_chunked', 'tv', 'e2e_tv', 'kl', 'lk', 'nla'}
     assert all(c['fusion_path'] for c in fused)

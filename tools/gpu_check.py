@@ -19,7 +19,8 @@ Phases (``tools/gpucheck/``):
    (151936 x 16384); a ``GPTModel`` with MTP trained a few steps in bf16 with ``'ce'`` and
    ``'tv'``, finite and bit-identical across two runs; every loss's gradients under
    gradient-accumulation fusion in Megatron's DDP against plain autograd (apex's kernel where
-   installed, its torch stand-in elsewhere: the path is recorded).
+   installed, its torch stand-in elsewhere: the path is recorded); bf16 and fp16 gradients of
+   every loss and target path against float64, each within twice Megatron CE's own error.
 3. **bench**: per shape (tokens 4096/16384, hidden 4096/7168, vocabulary 151936/129280, 1 and 3
    depths), every case against Megatron's MTP cross-entropy in the same rounds: time ratios,
    peak memory (allocated and reserved), TFLOP/s against a same-run bf16 GEMM; the targets.
@@ -251,6 +252,7 @@ def main(argv=None) -> int:
                                                                     else (16384, 1024, 151936)))),
         ('model', lambda: C.model_steps(device, kernels, quick)),
         ('fused_wgrad', lambda: C.fused_weight_gradient(device, kernels, quick)),
+        ('precision', lambda: C.precision_against_float64(device, quick)),
     ]
     for name, run in correctness:
         if name in skip:

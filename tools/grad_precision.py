@@ -156,16 +156,19 @@ def megatron_ce_error(draft, weight, mask, labels, loss_scale):
 
 
 def measure(dtype_name: str, tokens: int, losses, hidden: int = 128, vocab: int = 4096, seed: int = 0,
-            cold: bool = False, variants=('own',)):
+            cold: bool = False, variants=('own',), device: str = 'cpu'):
     """``{name: (draft_error, weight_error)}`` for ``'ce'`` and every loss in ``losses``: keyed
     by the loss name for the ``'own'`` variant, ``'<loss>/<variant>'`` for the others.
     ``'ce_chunked'`` in ``losses`` is ``'ce'`` with ``mtp_ce_chunked`` (its variants: ``'own'``,
-    ``'logit_grads'``)."""
+    ``'logit_grads'``). ``device``: where the losses run (the float64 references run there too);
+    on CUDA inside the caller's Megatron parallel state (Megatron's cross-entropy reads its TP
+    group), on a CPU inside ``single_process``."""
     from mtp_tv_dev.distributed import single_process
 
     dtype, loss_scale = DTYPES[dtype_name], LOSS_SCALES[dtype_name]
-    draft, main, weight, mask, labels = make_inputs(tokens, hidden, vocab, dtype, seed, cold)
-    with single_process():
+    draft, main, weight, mask, labels = (
+        t.to(device) for t in make_inputs(tokens, hidden, vocab, dtype, seed, cold))
+    with single_process() if device == 'cpu' else contextlib.nullcontext():
         results = {'ce': megatron_ce_error(draft, weight, mask, labels, loss_scale)}
     for loss_type in losses:
         for variant in variants:

@@ -317,3 +317,25 @@ def fused_weight_gradient(device: str, kernels: str, quick: bool) -> List[Dict]:
                      'worst_param': worst, 'worst_rel_err': errs[worst],
                      'ok': errs[worst] < 1e-4})
     return rows
+
+
+def precision_against_float64(device: str, quick: bool) -> List[Dict]:
+    """bf16 and fp16 (loss scale 2^16) gradients of every loss and target path against float64,
+    beside Megatron's MTP cross-entropy's own error on the same rounded inputs
+    (``tools/grad_precision.py``): each loss's error at most twice CE's, as the CPU suite holds."""
+    import grad_precision
+
+    losses = [*LOSSES, grad_precision.CHUNKED_CE]
+    tokens, hidden, vocab = (64, 32, 512) if quick else (4096, 1024, 32768)
+    rows = []
+    for dtype_name in grad_precision.DTYPES:
+        with _model_world(device):
+            results = grad_precision.measure(dtype_name, tokens, losses, hidden, vocab,
+                                             variants=grad_precision.VARIANTS, device=device)
+        ce_draft, ce_weight = results['ce']
+        for name, (draft_err, weight_err) in results.items():
+            ratio = max(draft_err / ce_draft, weight_err / ce_weight)
+            rows.append({'check': 'gradient precision vs float64', 'dtype': dtype_name,
+                         'loss': name, 'draft_rel_err': draft_err, 'weight_rel_err': weight_err,
+                         'over_ce': ratio, 'ok': ratio <= 2.0})
+    return rows
