@@ -15,7 +15,9 @@ from typing import List, Sequence
 
 import torch
 
-__all__ = ["build_stage_gpt", "init_pipeline", "run_schedule", "use_training_grad_hooks"]
+__all__ = [
+    "build_stage_gpt", "init_pipeline", "one_stage_name", "run_schedule", "use_training_grad_hooks",
+]
 
 
 def build_stage_gpt(config, tie: bool, vocab_size: int, seq_length: int, pre_process: bool = True,
@@ -47,6 +49,19 @@ def build_stage_gpt(config, tie: bool, vocab_size: int, seq_length: int, pre_pro
         )
     finally:
         torch.Tensor.cuda = saved
+
+
+def one_stage_name(model, name: str, tie: bool):
+    """The one-stage model's name of this stage's parameter ``name``; None for the last stage's
+    tied output-layer copy where the MTP layers are on that stage too (the output layer is then
+    handed their embedding copy, and its own weight goes unused)."""
+    if name.startswith('decoder.layers.'):
+        local = int(name.split('.')[2])
+        rest = name.split('.', 3)[3]
+        return f'decoder.layers.{model.decoder.layers[local].layer_number - 1}.{rest}'
+    if name == 'output_layer.weight' and tie:
+        return None if getattr(model, 'mtp_process', False) else 'embedding.word_embeddings.weight'
+    return name
 
 
 def init_pipeline(pp: int, embedding_stages: Sequence[int]) -> None:

@@ -30,7 +30,13 @@ import torch
 
 import megatron.mtp_tv
 from mtp_tv_dev.distributed import spawn
-from mtp_tv_dev.pipeline import build_stage_gpt, init_pipeline, run_schedule, use_training_grad_hooks
+from mtp_tv_dev.pipeline import (
+    build_stage_gpt,
+    init_pipeline,
+    one_stage_name,
+    run_schedule,
+    use_training_grad_hooks,
+)
 
 from test_fused_wgrad import LOSS_CONFIGS
 
@@ -79,19 +85,6 @@ def _reference(tie, loss, scale):
     return run_single_process(run)
 
 
-def _reference_name(model, name, tie):
-    """The one-stage model's name of this stage's parameter ``name`` (None: no counterpart)."""
-    if name.startswith('decoder.layers.'):
-        local = int(name.split('.')[2])
-        rest = name.split('.', 3)[3]
-        return f'decoder.layers.{model.decoder.layers[local].layer_number - 1}.{rest}'
-    if name == 'output_layer.weight' and tie:
-        # The last stage's copy of the tied word embedding; unused where the MTP layers are
-        # there too: the output layer is handed their embedding copy.
-        return None if getattr(model, 'mtp_process', False) else WORD
-    return name
-
-
 def _stage_step(loss, scale, layout, tie, defer, overlap, weights):
     """This stage's ``main_grad`` after one fused step, by the one-stage model's names."""
     from megatron.core import parallel_state
@@ -102,7 +95,7 @@ def _stage_step(loss, scale, layout, tie, defer, overlap, weights):
     last = parallel_state.is_pipeline_last_stage()
     model = build_stage_gpt(config, tie, VOCAB, SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
                             post_process=last)
-    names = {n: _reference_name(model, n, tie) for n, _ in model.named_parameters()}
+    names = {n: one_stage_name(model, n, tie) for n, _ in model.named_parameters()}
     with torch.no_grad():
         for name, param in model.named_parameters():
             if names[name] is not None:

@@ -40,7 +40,7 @@ import torch
 import megatron.mtp_tv
 from megatron.mtp_tv.losses import LOSSES
 from mtp_tv_dev.distributed import spawn
-from mtp_tv_dev.pipeline import build_stage_gpt, init_pipeline, run_schedule
+from mtp_tv_dev.pipeline import build_stage_gpt, init_pipeline, one_stage_name, run_schedule
 
 megatron.mtp_tv.install()
 
@@ -101,17 +101,6 @@ def _reference(name, tie, loss_type):
     return run_single_process(run)
 
 
-def _reference_name(model, name, tie):
-    """The one-stage model's name of this stage's parameter ``name``."""
-    if name.startswith('decoder.layers.'):
-        local = int(name.split('.')[2])
-        rest = name.split('.', 3)[3]
-        return f'decoder.layers.{model.decoder.layers[local].layer_number - 1}.{rest}'
-    if name == 'output_layer.weight' and tie:
-        return WORD  # the last stage's copy of the tied word embedding
-    return name
-
-
 @contextlib.contextmanager
 def _loss_inputs_seen():
     """While open, the shape of every ``hidden_states`` that ``GPTModel._postprocess`` hands
@@ -166,14 +155,14 @@ def _pipeline_worker(rank, pp, names, references):
                           if hasattr(model, 'embedding') else None)
                 with torch.no_grad():
                     for param_name, param in model.named_parameters():
-                        param.copy_(weights[_reference_name(model, param_name, tie)])
+                        param.copy_(weights[one_stage_name(model, param_name, tie)])
                 reset_mtp_tracker()
                 with _loss_inputs_seen() as seen:
                     losses = run_schedule(model, _batches())
                 grads = {}
                 for param_name, param in model.named_parameters():
                     assert param.grad is not None, f'stage {rank}: no gradient for {param_name}'
-                    grads[_reference_name(model, param_name, tie)] = param.grad.detach().clone()
+                    grads[one_stage_name(model, param_name, tie)] = param.grad.detach().clone()
                 out[name, tie, loss_type] = dict(
                     losses=[d['lm loss'] for d in losses] if last else None,
                     logged=_logged() if last else None, grads=grads,
