@@ -179,7 +179,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         'big chunk', 'GPTModel bf16 steps', 'fused weight gradient in DDP',
         'gradient precision vs float64'}
     fused = [c for c in report['checks'] if c['check'] == 'fused weight gradient in DDP']
-    assert {c['loss_type'] for c in fused} == {'ce', 'ce_chunked', 'tv', 'e2e_tv', 'kl', 'lk', 'nla'}
+    assert {c['loss_type'] for c in fused} == {'ce', 'ce_chunked', 'tv', 'e2e_tv', 'kl', 'lk',
+                                               'nla'}
     assert all(c['fusion_path'] for c in fused)
     assert report['preflight']['megatron_ce'] == 'vocab_parallel_cross_entropy'
     assert report['preflight']['megatron_core'].startswith('0.19.2')

@@ -92,9 +92,9 @@ def _stage_step(loss, scale, layout, tie, defer, overlap, weights):
     from mtp_tv_dev.gpu_training import defer_output_layer_wgrad, main_grads, wrap_in_ddp
 
     config = _config(loss, scale, PP, layout, fused=True)
+    first = parallel_state.is_pipeline_first_stage()
     last = parallel_state.is_pipeline_last_stage()
-    model = build_stage_gpt(config, tie, VOCAB, SEQ, pre_process=parallel_state.is_pipeline_first_stage(),
-                            post_process=last)
+    model = build_stage_gpt(config, tie, VOCAB, SEQ, pre_process=first, post_process=last)
     names = {n: one_stage_name(model, n, tie) for n, _ in model.named_parameters()}
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -167,7 +167,8 @@ def test_fused_pipeline_gradients(tie):
         for loss in LOSS_CONFIGS:
             ref, ref_without = references[loss, SCALE][1], references[loss, 0.0][1]
             for defer, overlap in SETTINGS:
-                msg = f'{name}, {"tied" if tie else "untied"}, {loss}, defer={defer}, overlap={overlap}'
+                msg = (f'{name}, {"tied" if tie else "untied"}, {loss}, defer={defer}, '
+                       f'overlap={overlap}')
                 got = _summed(results, (name, loss, defer, overlap, SCALE))
                 without = _summed(results, (name, loss, defer, overlap, 0.0))
                 assert got.keys() == ref.keys(), msg

@@ -150,7 +150,8 @@ def _pipeline_worker(rank, pp, names, references):
                 weights = references[name, tie, loss_type][0]
                 config = _config(num_layers, depth, loss_type, pp, layout)
                 assert config.mtp_standalone  # MTP on an earlier stage than the loss
-                model = build_stage_gpt(config, tie, VOCAB, SEQ, pre_process=first, post_process=last)
+                model = build_stage_gpt(config, tie, VOCAB, SEQ, pre_process=first,
+                                        post_process=last)
                 synced = (model.embedding.word_embeddings.weight.detach().clone()
                           if hasattr(model, 'embedding') else None)
                 with torch.no_grad():

@@ -166,7 +166,9 @@ class _LinearTV(torch.autograd.Function):
         return grad_draft, grad_weight, None, None, None, None, None, None
 
 
-def accumulate_into_main_grad(weight: torch.Tensor, grad_weight: torch.Tensor) -> Optional[torch.Tensor]:
+def accumulate_into_main_grad(
+    weight: torch.Tensor, grad_weight: torch.Tensor
+) -> Optional[torch.Tensor]:
     """Megatron's gradient-accumulation fusion for a weight gradient formed here: adds
     ``grad_weight`` (fp32 ``[V/tp, h]``) into ``weight.main_grad`` (fp32 or the buffer's dtype) and
     returns what ``LinearWithGradAccumulationAndAsyncCommunication.backward`` hands autograd, so
