@@ -48,6 +48,7 @@ PATCH_MODE_TESTS = (
     'tests/test_pipeline_layout.py',
     'tests/test_fused_wgrad.py',
     'tests/test_fused_wgrad_pp.py',
+    'tests/test_flops.py',
     'tests/test_chunked_ce.py',
     'tests/test_args_forwarding.py',
     'tests/test_args_guard.py',

@@ -30,6 +30,30 @@ def runs_megatron_ce(config) -> bool:
     )
 
 
+def extra_logit_projections(config, main_logits_passed: bool) -> int:
+    """Forward-only ``[h x V]`` projections per token that an MTP loss training step adds to the
+    ``1 + mtp_num_layers`` projections (with backward) Megatron's FLOP count already holds.
+
+    Args:
+        config: the model's config (or Megatron's arguments, which carry the same fields).
+        main_logits_passed: whether the MTP loss takes its target from the main logits the model
+            computes anyway (``GPTModel._postprocess`` without an output processor, a fused
+            linear cross-entropy or a config logger); else it projects the target itself.
+
+    Returns:
+        0 where the target is the main logits or no target is needed; 1 for the loss's own,
+        detached projection of the target; ``1 + mtp_num_layers`` for the acceptance metrics of
+        Megatron's ``'ce'`` (target and drafts projected again, without gradient).
+    """
+    depth = config.mtp_num_layers or 0
+    if not depth:
+        return 0
+    if runs_megatron_ce(config):
+        return 1 + depth if config.mtp_log_acceptance else 0
+    with_target = MTPLossOptions.from_config(config, metrics=True).with_target
+    return int(with_target and not main_logits_passed)
+
+
 def _is_real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 

@@ -9,7 +9,7 @@ the run (docs/megatron_bridge.md). Patches install this module as
 import sys
 from typing import Dict, Iterable
 
-from .config import MTP_LOSS_FIELDS, is_cross_entropy
+from .config import MTP_LOSS_FIELDS, extra_logit_projections, is_cross_entropy
 from .config import validate_mtp_loss_config
 
 
@@ -37,6 +37,24 @@ def apply_mtp_loss_args(model: Iterable, args) -> None:
         carry_to_bridge_provider(config, args)
         check_megatron_args(config, args)
         validate_mtp_loss_config(config)
+
+
+def mtp_loss_flops(args, total_tokens: int, hybrid_model: bool) -> int:
+    """The floating-point operations of one step's MTP loss that Megatron's
+    ``num_floating_point_operations`` does not count: its forward-only logit projections
+    (:func:`~.config.extra_logit_projections`), ``2 * h * V`` each per token. The halo rows two
+    chunks share (``mtp_num_layers - 1`` per chunk) are left out, as is the weight-gradient GEMM
+    that ``mtp_detach_heads`` skips.
+
+    Args:
+        args: Megatron's parsed arguments.
+        total_tokens: tokens in the global batch, as Megatron's count takes them.
+        hybrid_model: whether the model is a hybrid model (its heads project their own target).
+    """
+    fused_linear_ce = args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == 'linear'
+    main_logits_passed = not (hybrid_model or fused_linear_ce or args.config_logger_dir)
+    projections = extra_logit_projections(args, main_logits_passed)
+    return 2 * total_tokens * args.hidden_size * args.padded_vocab_size * projections
 
 
 def requested_fields(args) -> Dict[str, object]:

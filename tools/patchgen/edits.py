@@ -10,17 +10,18 @@ import ast
 from typing import Dict, List, Tuple
 
 from .facts import (
-    _find_class, _find_function, _inline_if, _postprocess, derive_facts, main_logits_projections,
-    process_mtp_loss_call,
+    FLOPS_RETURNS, _find_class, _find_function, _flops_tokens, _inline_if, _postprocess,
+    derive_facts, flops_function, flops_returns, main_logits_projections, process_mtp_loss_call,
 )
 from .layout import (
     CONFIG_FILE, GPT_FILE, INLINE_CONDITION, MTP_FILE, TRAINING_FILE, PatchError,
 )
 from .package import field_names, new_files
 from .snippets import (
-    MTP_LOSS_MODULE, snippet_attach, snippet_config_import, snippet_fields, snippet_get_model,
-    snippet_gpt_import, snippet_inline_gpt, snippet_postprocess_start, snippet_process_mtp_loss, snippet_process_mtp_loss_call,
-    snippet_track_metrics, snippet_validate, snippet_wrapped_call,
+    FLOPS_RETURN_INDENT, MTP_LOSS_MODULE, snippet_attach, snippet_config_import, snippet_fields,
+    snippet_flops_import, snippet_flops_return, snippet_get_model, snippet_gpt_import,
+    snippet_inline_gpt, snippet_postprocess_start, snippet_process_mtp_loss,
+    snippet_process_mtp_loss_call, snippet_track_metrics, snippet_validate, snippet_wrapped_call,
 )
 
 
@@ -236,8 +237,23 @@ def edit_training(text: str) -> Editor:
         raise PatchError(f'{TRAINING_FILE}: get_model has no `if not isinstance(model, list): '
                          'model = [model]` at its top level')
     ed = Editor(text)
+    _edit_flops(ed, text)
     ed.insert(listed[0].end_lineno, snippet_get_model())
     return ed
+
+
+def _edit_flops(ed: Editor, text: str) -> None:
+    """``num_floating_point_operations`` adds the MTP loss's projections to both of its counts."""
+    fn = flops_function(text)
+    ed.insert(_after_docstring(fn), snippet_flops_import())
+    tokens = _flops_tokens(text)
+    for ret in flops_returns(fn):
+        called = ast.unparse(ret.value.func)
+        new, removed = snippet_flops_return(called, FLOPS_RETURNS[called], tokens)
+        if ed.lines[ret.lineno - 1] != removed[0]:
+            raise PatchError(f'{TRAINING_FILE}:{ret.lineno}: expected `{removed[0].strip()}` '
+                             f'at indentation {len(FLOPS_RETURN_INDENT)}')
+        ed.replace(ret.lineno - 1, new)
 
 def _wrap_process_mtp_loss_call(ed: Editor, post, facts) -> None:
     """``hidden_states = process_mtp_loss(...)`` gets the edits of

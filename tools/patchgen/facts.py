@@ -9,7 +9,7 @@ import ast
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from .layout import GPT_FILE, INLINE_CONDITION, MTP_FILE, PatchError
+from .layout import GPT_FILE, INLINE_CONDITION, MTP_FILE, TRAINING_FILE, PatchError
 from .package import plugin_checks, tv_loss_params, tv_loss_required_params
 
 
@@ -35,6 +35,9 @@ class Facts:
     """``(keyword, source of its value)`` of each argument of ``_postprocess``'s
     ``process_mtp_loss(...)`` call (empty with the inline loss): the patched ``_postprocess``
     passes the same ones to ``attach_mtp_tv_loss``."""
+    flops_tokens: str = 'total_real_tokens_in_batch'
+    """The tokens of the global batch as ``training.py``'s ``num_floating_point_operations``
+    counts them (``batch_size * args.seq_length`` in trees without real-token counts)."""
 
 
 
@@ -87,7 +90,51 @@ def derive_facts(files: Dict[str, str]) -> Facts:
             (kw.arg, ast.get_source_segment(files[GPT_FILE], kw.value))
             for kw in process_mtp_loss_call(post).keywords
         ) if post is not None and _inline_if(files[GPT_FILE]) is None else (),
+        flops_tokens=_flops_tokens(files[TRAINING_FILE]) if TRAINING_FILE in files else '',
     )
+
+
+#: What each top-level ``return`` of ``num_floating_point_operations`` calls, and whether that
+#: branch counts a hybrid model.
+FLOPS_RETURNS = {'hybrid_flops': True, 'transformer_flops': False}
+
+
+def flops_function(text: str):
+    """``num_floating_point_operations`` of training.py's source."""
+    fn = _find_function(ast.parse(text).body, 'num_floating_point_operations')
+    if fn is None or _params(fn)[:2] != ('args', 'batch_size'):
+        raise PatchError(f'{TRAINING_FILE}: no num_floating_point_operations(args, batch_size, ...)')
+    return fn
+
+
+def flops_returns(fn) -> List[ast.Return]:
+    """The ``return`` statements of ``num_floating_point_operations`` outside its nested
+    functions, in file order: one ``return hybrid_flops(`` and one ``return transformer_flops()``."""
+    found = []
+
+    def visit(nodes):
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if isinstance(node, ast.Return):
+                found.append(node)
+            for field in ('body', 'orelse', 'handlers', 'finalbody'):
+                visit(getattr(node, field, None) or [])
+
+    visit(fn.body)
+    called = [ast.unparse(r.value.func) if isinstance(r.value, ast.Call) else None for r in found]
+    if sorted(map(str, called)) != sorted(FLOPS_RETURNS):
+        raise PatchError(f'{TRAINING_FILE}: num_floating_point_operations returns {called}, '
+                         f'expected one return of each of {list(FLOPS_RETURNS)}')
+    return sorted(found, key=lambda r: r.lineno)
+
+
+def _flops_tokens(text: str) -> str:
+    fn = flops_function(text)
+    flops_returns(fn)
+    if 'total_real_tokens_in_batch' in _params(fn):
+        return 'total_real_tokens_in_batch'
+    return 'batch_size * args.seq_length'
 
 
 def _postprocess(text: str):

@@ -62,6 +62,45 @@ def snippet_get_model() -> List[str]:
     ]
 
 
+def snippet_flops_import() -> List[str]:
+    """At the top of ``num_floating_point_operations``: the MTP loss's own count."""
+    return [
+        "    # mtp_tv: the MTP loss's forward-only logit projections, beyond the 1 + mtp_num_layers",
+        '    # projections (with backward) counted below.',
+        f'    from {TRAINING_MODULE} import mtp_loss_flops',
+        '',
+    ]
+
+
+#: The indentation of ``num_floating_point_operations``' two top-level ``return`` statements.
+FLOPS_RETURN_INDENT = ' ' * 8
+
+
+def snippet_flops_return(called: str, hybrid_model: bool, tokens: str) -> Tuple[List[str], List[str]]:
+    """``(new lines, removed line)`` of the ``return`` that calls ``called`` (``hybrid_flops`` or
+    ``transformer_flops``): the MTP loss's count added to it."""
+    ind = FLOPS_RETURN_INDENT
+    if called == 'hybrid_flops':  # a multi-line call: only its first line changes
+        removed = f'{ind}return hybrid_flops('
+        return [f'{ind}return mtp_loss_flops(args, {tokens}, hybrid_model={hybrid_model}) + '
+                'hybrid_flops('], [removed]
+    removed = f'{ind}return {called}()'
+    return [
+        f'{ind}return mtp_loss_flops(',
+        f'{ind}    args, {tokens}, hybrid_model={hybrid_model}',
+        f'{ind}) + {called}()',
+    ], [removed]
+
+
+def snippet_flops_edits(tokens: str) -> List[Tuple[List[str], List[str]]]:
+    """Every edit of ``num_floating_point_operations``, in file order (the hybrid branch first)."""
+    from .facts import FLOPS_RETURNS
+
+    return [(snippet_flops_import(), [])] + [
+        snippet_flops_return(called, hybrid, tokens) for called, hybrid in FLOPS_RETURNS.items()
+    ]
+
+
 def snippet_process_mtp_loss(params: Sequence[str]) -> List[str]:
     tv = tv_loss_params()
     kwargs = [f'        {p}={p},' for p in params if p in tv]
@@ -214,7 +253,7 @@ def expected_edits(facts: Facts) -> Dict[str, List[Tuple[List[str], List[str]]]]
         CONFIG_FILE: [(snippet_config_import(), []), (snippet_fields(), []), (snippet_validate(), [])],
         MTP_FILE: mtp,
         GPT_FILE: gpt,
-        TRAINING_FILE: [(snippet_get_model(), [])],
+        TRAINING_FILE: snippet_flops_edits(facts.flops_tokens) + [(snippet_get_model(), [])],
     }
 
 
