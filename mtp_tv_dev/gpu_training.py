@@ -30,12 +30,14 @@ __all__ = [
     "gradients_after_step", "DDP_SETTINGS",
 ]
 
-#: DDP settings a GPU job runs with: (name, overlap_grad_reduce, use_distributed_optimizer).
-#: Overlap uses small buckets, so that several buckets start their reduce during backward.
+#: DDP settings a GPU job runs with: (name, overlap_grad_reduce, use_distributed_optimizer[,
+#: overlap_param_gather]). Overlap uses small buckets, so that several buckets start their reduce
+#: during backward; the parameter gather's forward pre-hooks are installed by DDP itself.
 DDP_SETTINGS = (
     ('ddp', False, False),
     ('ddp_overlap', True, False),
     ('distopt_overlap', True, True),
+    ('distopt_overlap_param_gather', True, True, True),
 )
 
 _OVERLAP_BUCKET_SIZE = 4096
@@ -112,9 +114,11 @@ def emulated_wgrad_fusion() -> Iterator[None]:
                 setattr(layers, name, value)
 
 
-def wrap_in_ddp(model, overlap_grad_reduce: bool, use_distributed_optimizer: bool, config=None):
+def wrap_in_ddp(model, overlap_grad_reduce: bool, use_distributed_optimizer: bool, config=None,
+                overlap_param_gather: bool = False):
     """``model`` inside Megatron's ``DistributedDataParallel`` (fp32 gradient buffer), its
-    gradient buffers zeroed; ``config``: the one the schedule reads (default: the model's)."""
+    gradient buffers zeroed; ``config``: the one the schedule reads (default: the model's);
+    ``overlap_param_gather``: the distributed optimizer's forward pre-hooks installed."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
@@ -122,6 +126,7 @@ def wrap_in_ddp(model, overlap_grad_reduce: bool, use_distributed_optimizer: boo
         overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=use_distributed_optimizer,
         bucket_size=_OVERLAP_BUCKET_SIZE if overlap_grad_reduce else None,
+        overlap_param_gather=overlap_param_gather,
     )
     ddp = DistributedDataParallel(config or model.config, ddp_config, model)
     ddp.zero_grad_buffer()
@@ -170,7 +175,7 @@ def gradients_after_step(loss_fields: Dict, tie: bool, detach: bool, fused: bool
     """One forward and backward of a fresh seeded ``GPTModel`` with MTP (the same weights every
     call); every parameter's gradient (``main_grad`` in DDP). ``loss_fields``: the config fields
     of the MTP loss and any other setting; ``ddp_setting``: ``(overlap_grad_reduce,
-    use_distributed_optimizer)`` or None for plain autograd. Half-precision parameters run inside
+    use_distributed_optimizer[, overlap_param_gather])`` or None for plain autograd. Half-precision parameters run inside
     ``Float16Module``, as Megatron-LM builds them. Inside Megatron's parallel state."""
     from mtp_tv_dev.models import build_gpt_with_mtp, forward_loss, random_batch
 
@@ -184,7 +189,10 @@ def gradients_after_step(loss_fields: Dict, tie: bool, detach: bool, fused: bool
         from megatron.core.transformer.module import Float16Module
 
         module = Float16Module(model.config, model)
-    module = module if ddp_setting is None else wrap_in_ddp(module, *ddp_setting)
+    if ddp_setting is not None:
+        overlap, distributed_optimizer, *param_gather = ddp_setting
+        module = wrap_in_ddp(module, overlap, distributed_optimizer,
+                             overlap_param_gather=bool(param_gather and param_gather[0]))
     tokens, labels, mask = (t.to(device) for t in random_batch(vocab, seq, batch, seed=3))
     (forward_loss(module, tokens, labels, mask) * mask).sum().backward()
     if ddp_setting is not None:

@@ -106,6 +106,22 @@ def test_fused_output_layer_without_ddp_flag_keeps_autograd_contract():
     torch.testing.assert_close(bf16.main_grad, grad.bfloat16())
 
 
+def test_transformer_engine_output_projection_flag_is_read():
+    """Transformer Engine's output projection (``TELMHeadColumnParallelLinear``, GPTModel's
+    output layer under an mxfp8 output projection) holds the fusion as
+    ``fuse_wgrad_accumulation``: the loss must take it as Megatron's flag (its fused backward
+    itself needs Transformer Engine and a GPU)."""
+    from types import SimpleNamespace
+
+    from megatron.mtp_tv.mtp_loss import _fuses_weight_grad
+
+    weight = torch.nn.Parameter(torch.randn(6, 4))
+    for flags, fused in (({}, False), ({'fuse_wgrad_accumulation': True}, True),
+                         ({'fuse_wgrad_accumulation': False}, False),
+                         ({'gradient_accumulation_fusion': True}, True)):
+        assert _fuses_weight_grad(SimpleNamespace(**flags), weight, 'tv') is fused, flags
+
+
 def test_megatron_fsdp_output_weight_under_fusion_is_refused():
     """Megatron-FSDP's fused linear overwrites the fetched gradient bucket (``out=``): a second
     writer of the output weight in one backward cannot be ordered, so the loss refuses it."""
@@ -144,6 +160,33 @@ def test_fused_ddp_gradients_under_other_gpu_settings(setting):
             with emulated_wgrad_fusion():
                 got = _step(config, False, False, fused=True, ddp_setting=ddp_setting)
             _assert_same(got, expected, f'{loss}, {setting}')
+
+
+def test_mtp_share_follows_the_schedules_loss_scale():
+    """Megatron's schedule hands the optimizer's loss scale (fp16's dynamic scaler: its value at
+    this step) over ``num_microbatches`` to ``MTPLossAutoScaler.set_loss_scale``: every loss's
+    MTP share of every gradient scales with it, as Megatron's own 'ce' share does, fused, in
+    DDP."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    scale = 2.0 ** 7 / 4  # a loss scale over 4 micro-batches
+    with single_process():
+        for loss, config in LOSS_CONFIGS.items():
+            with emulated_wgrad_fusion():
+                setting = DDP_SETTINGS[-1][1:]
+                full = _step(config, False, False, fused=True, ddp_setting=setting)
+                without = _step(config, False, False, fused=True, ddp_setting=setting, scale=0.0)
+                MTPLossAutoScaler.set_loss_scale(torch.tensor(scale))
+                try:
+                    got = _step(config, False, False, fused=True, ddp_setting=setting)
+                finally:
+                    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+            for name, whole in full.items():
+                expected = without[name] + scale * (whole - without[name])
+                # the scaled share carries the rounding of two fp32 gradients times the scale
+                atol = 4 * scale * torch.finfo(torch.float32).eps * whole.abs().max().item()
+                torch.testing.assert_close(got[name], expected, rtol=RTOL, atol=atol,
+                                           msg=f'{loss}, loss scale {scale}: {name}')
 
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16], ids=['bf16', 'fp16'])
