@@ -436,3 +436,64 @@ def test_retrained_heads_are_checked_against_their_stored_part(tmp_path):
     assert experiment.heads(arm) == {'w': 1}
     assert lines[-1] == (f'{arm.name}: replayed, whole-validation accepted drafts 0.500000 '
                          '(the stored part: 0.250000, difference +2.50e-01)')
+
+
+def test_chained_smoke_preset_runs_and_resumes(tmp_path, smollm2):
+    """Issue 59's preset at toy sizes: one shared MTP layer at two depths scored with two
+    chained drafts (per-depth alpha, speculative decoding at gamma 2), the cosine schedule, the
+    rate grid and the plateau arm at twice the budget; a rerun runs nothing."""
+    import json
+
+    from smollm2_lib import experiment as X
+
+    out = tmp_path / 'results'
+    cache = _cache_sharing_the_converted_checkpoint(tmp_path / 'cache')
+    argv = ['--preset', 'chained-smoke', '--results-dir', str(out), '--cache-dir', str(cache),
+            '--no-plot']
+    res = _run_demo(argv)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    preset = X.PRESETS['chained-smoke']
+    parts = {p.stem: json.loads(p.read_text()) for p in (out / 'parts').glob('*.json')}
+    n = preset.cold_steps
+    assert {f'cold_ce_lr{lr:g}_n{n}_s0' for lr in preset.lr_grid} <= set(parts)
+    best = parts['test_cold_ce_s0']['lr']
+    assert f'cold_ce_lr{best:g}_n{2 * n}_s0' in parts  # the plateau arm
+    assert {'test_cold_ce_s1', 'cold_init'} <= set(parts)
+    arm = parts[f'cold_ce_lr{best:g}_n{n}_s0']
+    assert arm['depths'] == 2 and arm['common']['repeated_layer'] is True
+    assert len(arm['validation']['sampled']['alpha']) == 2
+    spec = parts['test_cold_ce_s0']['final']['spec_sampled']
+    assert len(spec['depth_acceptance_given_reached']) == 2
+    assert spec['verify_steps'] == preset.spec_prompts * preset.spec_rounds
+    assert parts['cold_init']['data']['files']['rl'] > 0
+    rerun = _run_demo(argv)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert not [line for line in rerun.stderr.splitlines() if line.endswith(': running')]
+
+
+def test_cosine_schedule_warms_up_then_decays_to_zero():
+    from smollm2_lib import experiment as X
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    rates = []
+    for step in range(1, 11):
+        X.set_lr(opt, 1.0, step, warmup=2, total=10, schedule='cosine')
+        rates.append(opt.param_groups[0]['lr'])
+    assert rates[:2] == [0.5, 1.0] and rates[-1] == 0.0
+    assert all(a >= b for a, b in zip(rates[1:], rates[2:]))
+    X.set_lr(opt, 1.0, 7, warmup=2, total=10, schedule='constant')
+    assert opt.param_groups[0]['lr'] == 1.0
+    with pytest.raises(ValueError, match="schedule='linear'"):
+        X.set_lr(opt, 1.0, 7, warmup=2, total=10, schedule='linear')
+
+
+def test_file_split_shares_no_file_between_splits():
+    """Evaluation files are disjoint from training files: each file's split is a function of
+    its name alone, and every split holds files."""
+    from cpu_demo_lib.corpus import stdlib_files
+    from smollm2_lib import data as D
+
+    names = [name for name, _ in stdlib_files()]
+    splits = {name: D.split_of_file(name) for name in names}
+    assert set(splits.values()) == {'train', 'rl', 'validation', 'test'}
+    assert all(D.split_of_file(name) == split for name, split in splits.items())  # stable

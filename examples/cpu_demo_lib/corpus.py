@@ -17,7 +17,7 @@ import hashlib
 import os
 import sysconfig
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 if TYPE_CHECKING:  # torch is imported where it is used, so that bad paths fail fast
     import torch
@@ -52,14 +52,19 @@ class Corpus:
         }
 
 
-def stdlib_sources_bytes() -> bytes:
-    """Domain A default: the standard library's top-level ``*.py`` files, sorted by name."""
+def stdlib_files() -> List[Tuple[str, bytes]]:
+    """The standard library's top-level ``*.py`` files: ``(name, contents)``, sorted by name."""
     stdlib = sysconfig.get_paths()['stdlib']
-    parts = []
+    out = []
     for path in sorted(glob.glob(os.path.join(stdlib, '*.py'))):
         with open(path, 'rb') as f:
-            parts.append(f.read())
-    return b'\n\n'.join(parts)
+            out.append((os.path.basename(path), f.read()))
+    return out
+
+
+def stdlib_sources_bytes() -> bytes:
+    """Domain A default: the standard library's top-level ``*.py`` files, sorted by name."""
+    return b'\n\n'.join(contents for _, contents in stdlib_files())
 
 
 def pydoc_topics_bytes() -> bytes:

@@ -248,6 +248,13 @@ def mtp_depth(model, depth: int, previous: torch.Tensor, tokens: torch.Tensor) -
     return mtp_depth_forward(model, depth, previous, tokens)
 
 
+def mtp_layer(model, depth: int):
+    """The MTP layer that computes ``depth``: the one shared layer under
+    ``mtp_use_repeated_layer`` (applied at every depth, as ``MultiTokenPredictionBlock`` does),
+    else depth's own."""
+    return model.mtp.layers[0 if model.config.mtp_use_repeated_layer else depth]
+
+
 def mtp_depth_forward(model, depth: int, previous: torch.Tensor,
                       tokens: torch.Tensor) -> torch.Tensor:
     """:func:`mtp_depth` in the current mode and grad setting (for training on cached states)."""
@@ -260,7 +267,7 @@ def mtp_depth_forward(model, depth: int, previous: torch.Tensor,
     for _ in range(depth):
         input_ids, _ = roll_tensor(input_ids, shifts=-1, dims=-1)
         position_ids, _ = roll_tensor(position_ids, shifts=-1, dims=-1)
-    hidden, *_ = model.mtp.layers[depth](
+    hidden, *_ = mtp_layer(model, depth)(
         input_ids=input_ids, position_ids=position_ids, hidden_states=previous,
         attention_mask=causal_attention_mask(seq), embedding=model.embedding,
         rotary_pos_emb=rotary_pos_emb(model, seq),

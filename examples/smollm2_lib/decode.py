@@ -25,6 +25,8 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
+from cpu_demo_lib.model import mtp_layer
+
 
 @dataclass
 class LayerCache:
@@ -154,7 +156,7 @@ class MTPDepthCache:
 
     def __init__(self, model, depth: int, batch: int, capacity: int):
         self.model = model
-        self.layer = model.mtp.layers[depth]
+        self.layer = mtp_layer(model, depth)  # one cache per depth, also for a shared layer
         self.capacity = capacity
         self.rotary = _rotary(model, capacity)
         self.cache = LayerCache.empty(self.layer.mtp_model_layer, batch, capacity)

@@ -61,7 +61,7 @@ class Preset:
     block: int = 513
     """Tokens per data block: a training window (``block - 1`` tokens) and its labels; an
     evaluation window is the first ``2 * context`` tokens of a block."""
-    stdlib_chars: int = 2_500_000
+    stdlib_chars: Optional[int] = 2_500_000
     warmup: int = 20
     """Steps of linear warm-up, then a constant learning rate."""
     lr_grid: Tuple[float, ...] = (3e-4, 1e-3, 3e-3)
@@ -96,10 +96,25 @@ class Preset:
     continuation_prompts: int = 62
     threads: int = 2
     losses: Optional[Tuple[str, ...]] = None
-    """The losses every scenario runs (None: :func:`depth_one_losses`)."""
+    """The losses every scenario runs (None: :func:`depth_one_losses`, or
+    :func:`chained_losses` at more than one depth)."""
+    depths: int = 1
+    """MTP depths of every head, and the drafts per verify step (gamma) it is scored with."""
+    repeated_layer: bool = False
+    """One MTP layer applied at every depth (``mtp_use_repeated_layer``)."""
+    schedule: str = 'constant'
+    """After the warm-up: ``'constant'``, or ``'cosine'`` decay to zero at an arm's last step."""
+    split: str = 'blocks'
+    """How the code is split: ``'blocks'`` (interleaved blocks) or ``'files'``
+    (:func:`~smollm2_lib.data.load_files_domain`)."""
+    plateau_check: bool = False
+    """Each loss's best rate also runs on the first seed at twice the budget: the head is at
+    its plateau if that gains under ``plateau_gain`` (relative, in tokens per verify step)."""
 
     def loss_names(self) -> List[str]:
-        return list(self.losses) if self.losses is not None else depth_one_losses()
+        if self.losses is not None:
+            return list(self.losses)
+        return chained_losses() if self.depths > 1 else depth_one_losses()
 
     def common(self) -> Dict:
         """The settings every part of a run shares (data, protocol, evaluation): a part stored
@@ -108,7 +123,21 @@ class Preset:
         keys = ('block', 'batch', 'stdlib_chars', 'warmup', 'eval_every', 'curve_windows',
                 'context', 'tf_windows', 'spec_prompts', 'spec_rounds', 'continuation_prompts',
                 'serving_temperature', 'lk_eta')
-        return {'version': EXPERIMENT_VERSION, **{k: getattr(self, k) for k in keys}}
+        out = {'version': EXPERIMENT_VERSION, **{k: getattr(self, k) for k in keys}}
+        # Settings added after the 'long' run: recorded where they differ from the default, so
+        # that its stored parts keep their fingerprints.
+        for name in ('depths', 'repeated_layer', 'schedule', 'split'):
+            if getattr(self, name) != Preset.__dataclass_fields__[name].default:
+                out[name] = getattr(self, name)
+        return out
+
+
+def chained_losses() -> List[str]:
+    """``'ce'`` and every loss of the registry (``'e2e_tv'`` included: its objective differs
+    from ``'tv'`` over chained drafts)."""
+    from megatron.mtp_tv.losses import LOSSES
+
+    return ['ce', *LOSSES]
 
 
 def depth_one_losses() -> List[str]:
@@ -124,6 +153,22 @@ PRESETS: Dict[str, Preset] = {
     # The method end to end within 30 minutes (measured: docs/smollm2_demo.md, Presets): the cold
     # start alone, one seed, one learning rate for every loss, a short budget, a smaller slice of
     # the same code and the same evaluation at smaller sizes. A demonstration, not a ranking.
+    # Issue 59's protocol: chained drafts as served (one shared MTP layer applied at three
+    # depths, gamma = 3), heads at their plateau (a decaying schedule; twice the budget gains
+    # under 2%), evaluation files disjoint from training files. Its first part is the official
+    # head: 'ce' on the backbone it ships with, on the rate grid, at N and 2N.
+    'chained': Preset(name='chained', scenarios=('official',), seeds=(0, 1, 2), depths=3,
+                      repeated_layer=True, schedule='cosine', split='files', plateau_check=True,
+                      stdlib_chars=None, cold_steps=800, eval_every=100, checkpoint_every=50,
+                      tf_windows=96, spec_prompts=96, continuation_prompts=96),
+    # The chained preset's code paths at toy sizes (tests/test_smollm2.py).
+    'chained-smoke': Preset(name='chained-smoke', scenarios=('official',), seeds=(0, 1),
+                            depths=2, repeated_layer=True, schedule='cosine', split='files',
+                            plateau_check=True, block=33, losses=('ce',), stdlib_chars=60_000,
+                            warmup=1, lr_grid=(1e-3, 3e-3), lr_extensions=0, cold_steps=3,
+                            eval_every=2, curve_windows=2, checkpoint_every=2, context=8,
+                            tf_windows=2, spec_prompts=3, spec_rounds=2, continuation_prompts=2,
+                            batch=1, threads=1),
     'default': Preset(name='default', scenarios=('cold',), seeds=(0,), stdlib_chars=700_000,
                       lr_grid=(1e-3,), cold_steps=60, eval_every=20, curve_windows=16,
                       tf_windows=24, spec_prompts=32, continuation_prompts=8),
@@ -239,11 +284,18 @@ def window_order(count: int, steps: int, batch: int, seed: int) -> torch.Tensor:
     return order[:need].view(steps, batch)
 
 
-def set_lr(optimizer, lr: float, step: int, warmup: int) -> None:
-    """The rate of ``step`` (1-based): a linear warm-up over ``warmup`` steps, then ``lr``.
+def set_lr(optimizer, lr: float, step: int, warmup: int, total: Optional[int] = None,
+           schedule: str = 'constant') -> None:
+    """The rate of ``step`` (1-based): a linear warm-up over ``warmup`` steps, then ``lr``
+    (``'constant'``) or a cosine decay from ``lr`` to zero at step ``total`` (``'cosine'``).
     Set from the step alone, so a resumed run continues the same schedule."""
+    rate = lr * min(1.0, step / warmup)
+    if schedule == 'cosine' and step > warmup:
+        rate = lr * 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+    elif schedule not in ('constant', 'cosine'):
+        raise ValueError(f"schedule={schedule!r}; expected 'constant' or 'cosine'")
     for group in optimizer.param_groups:
-        group['lr'] = lr * min(1.0, step / warmup)
+        group['lr'] = rate
 
 
 def make_optimizer(params, lr: float):
@@ -314,7 +366,10 @@ class Experiment:
         if 2 * p.context > p.block - 1:
             raise ValueError(f'context {p.context}: evaluation windows of {2 * p.context} tokens '
                              f'do not fit blocks of {p.block}')
-        self.code = DATA.load_domain('code', 'stdlib', tokenizer, p.stdlib_chars, p.block)
+        if p.split == 'files':
+            self.code = DATA.load_files_domain(tokenizer, p.block, p.stdlib_chars)
+        else:
+            self.code = DATA.load_domain('code', 'stdlib', tokenizer, p.stdlib_chars, p.block)
         if {'drift', 'joint'} & set(p.scenarios):  # the data that moves the backbone
             self.docs = DATA.load_domain('docs', 'pydoc', tokenizer, None, p.block)
         self.roles = DATA.test_roles(self.code, p.tf_windows, p.spec_prompts,
@@ -346,7 +401,8 @@ class Experiment:
             overrides = {} if depths is None else dict(
                 mtp_loss_type=loss, mtp_detach_heads=not joint,
                 mtp_loss_scaling_factor=self.preset.joint_mtp_scale if joint else 1.0,
-                mtp_lk_eta=self.preset.lk_eta)
+                mtp_lk_eta=self.preset.lk_eta,
+                mtp_use_repeated_layer=self.preset.repeated_layer)
             return W.build_megatron(self.hf_config, depths, self.preset.block - 1,
                                     seed=build_seed * 1000 + 5, **overrides)
 
@@ -416,7 +472,8 @@ class Experiment:
                 sets.tf_continuation = E.TeacherForcedSet.build('continuation', model, windows,
                                                                 states, p.context)
             elif name == 'prompts':
-                capacity = p.context + p.spec_rounds * 2 + 4
+                gamma = p.depths  # room that speculative_decoding needs
+                capacity = p.context + p.spec_rounds * (gamma + 1) + 2 * gamma + 2
                 sets.prompts = E.Prompts.prefill(model, self.roles['spec'][:, : p.context],
                                                  capacity)
         return sets
@@ -519,12 +576,13 @@ class Experiment:
         windows = self.code.train
         order = window_order(windows.shape[0], arm.steps, p.batch, arm.seed)
         states = self.train_states(backbone, windows, order)
-        model = self.build(1, arm.loss, seed=arm.seed, backbone=self.backbones[backbone],
+        model = self.build(p.depths, arm.loss, seed=arm.seed, backbone=self.backbones[backbone],
                            heads=heads)
         params = H.freeze_backbone(model)
         optimizer = make_optimizer(params, arm.lr)
         curve = {'step': [], 'mtp_loss': [], 'grad_norm': [], 'validation': []}
-        ckpt_key = {**self.arm_key(arm), 'steps': None}
+        # At a constant rate a longer arm extends a shorter one; a decaying schedule does not.
+        ckpt_key = {**self.arm_key(arm), 'steps': None if p.schedule == 'constant' else arm.steps}
         ckpt_path = self._runs_path(f'arm-{self.store.fingerprint(ckpt_key)}.pt')
         done = 0
         if ckpt_path and os.path.exists(ckpt_path):
@@ -541,7 +599,7 @@ class Experiment:
             rows = order[step - 1]
             blocks = windows[rows]
             main = torch.cat([states[int(i)] for i in rows], dim=1)
-            set_lr(optimizer, arm.lr, step, p.warmup)
+            set_lr(optimizer, arm.lr, step, p.warmup, arm.steps, p.schedule)
             stats = H.train_step(model, optimizer, blocks[:, :-1], blocks[:, 1:], main, None)
             curve['step'].append(step)
             curve['mtp_loss'].append(stats['mtp_loss'])
@@ -553,7 +611,7 @@ class Experiment:
                 self._save(ckpt_path, {'step': step, 'curve': curve, 'heads': self.heads_of(model),
                                        'optimizer': optimizer.state_dict()})
         record = {'scenario': arm.scenario, 'loss': arm.loss, 'lr': arm.lr, 'seed': arm.seed,
-                  'steps': arm.steps, 'depths': 1, 'curve': curve,
+                  'steps': arm.steps, 'depths': p.depths, 'curve': curve,
                   'validation': self.validation_summary(model, sets.validation),
                   'plateau_gain': plateau_gain(curve['validation'], arm.steps)}
         return record, self.heads_of(model)
@@ -619,9 +677,11 @@ class Experiment:
         def run():
             heads = self.heads(arm)
             sets = self.eval_sets(backbone, ('tf_test', 'tf_continuation', 'prompts'))
-            model = self.build(1, arm.loss, backbone=self.backbones[backbone], heads=heads)
+            model = self.build(self.preset.depths, arm.loss, backbone=self.backbones[backbone],
+                               heads=heads)
             return {'scenario': arm.scenario, 'loss': arm.loss, 'lr': arm.lr, 'seed': arm.seed,
-                    'steps': arm.steps, 'depths': 1, 'final': self.final_eval(model, sets)}
+                    'steps': arm.steps, 'depths': self.preset.depths,
+                    'final': self.final_eval(model, sets)}
 
         return self.part(part_name(f'test_{arm.scenario}', arm.loss, arm.seed),
                          {**self.arm_key(arm), 'test': True}, run)
@@ -634,8 +694,9 @@ class Experiment:
         def init():  # fresh heads, before any training
             sets = self.eval_sets('original', ('validation', 'tf_test', 'tf_continuation',
                                                'prompts'))
-            model = self.build(1, 'ce', seed=p.seeds[0], backbone=self.backbones['original'])
-            return {'scenario': 'cold', 'loss': None, 'depths': 1,
+            model = self.build(p.depths, 'ce', seed=p.seeds[0],
+                               backbone=self.backbones['original'])
+            return {'scenario': 'cold', 'loss': None, 'depths': p.depths,
                     'validation': self.validation_summary(model, sets.validation),
                     'final': self.final_eval(model, sets),
                     'main_model': self.main_model_loss('original', sets.tf_test)}
@@ -649,6 +710,26 @@ class Experiment:
             self.moved_backbone()
         self.cold_lrs.update(self.run_losses('cold', p.cold_steps, p.lr_grid, others))
 
+    def run_official(self) -> None:
+        """The official head: a fresh ``'ce'`` head on the original backbone, on the rate grid
+        at the full budget (and twice it: the plateau), its seeds scored on the test split;
+        then the fresh heads scored (``cold_init``)."""
+        p = self.preset
+
+        def init():
+            sets = self.eval_sets('original', ('validation', 'tf_test', 'tf_continuation',
+                                               'prompts'))
+            model = self.build(p.depths, 'ce', seed=p.seeds[0],
+                               backbone=self.backbones['original'])
+            return {'scenario': 'cold', 'loss': None, 'depths': p.depths,
+                    'data': self.code.describe(),
+                    'validation': self.validation_summary(model, sets.validation),
+                    'final': self.final_eval(model, sets),
+                    'main_model': self.main_model_loss('original', sets.tf_test)}
+
+        self.cold_lrs = self.run_losses('cold', p.cold_steps, p.lr_grid, ['ce'])
+        self.part('cold_init', {'heads': 'fresh', 'seed': p.seeds[0]}, init)
+
     def run_losses(self, scenario: str, steps: int, grid: Tuple[float, ...],
                    losses: Optional[List[str]] = None) -> Dict[str, float]:
         """Every loss in turn (default: the preset's): its grid on the first seed, then its best
@@ -656,6 +737,8 @@ class Experiment:
         lrs = {}
         for loss in losses if losses is not None else self.preset.loss_names():
             lrs[loss] = self.best_lr(scenario, loss, steps, grid)
+            if self.preset.plateau_check:  # twice the budget, first seed: the plateau shown
+                self.arm(HeadsArm(scenario, loss, lrs[loss], self.preset.seeds[0], 2 * steps))
             for seed in self.preset.seeds:
                 arm = HeadsArm(scenario, loss, lrs[loss], seed, steps)
                 self.arm(arm)
@@ -860,7 +943,7 @@ class Experiment:
     def validation_summary(self, model, data) -> Dict:
         from smollm2_lib import evaluate as E
 
-        tf = E.teacher_forced(model, data, 1, self.preset.serving_temperature)
+        tf = E.teacher_forced(model, data, self.preset.depths, self.preset.serving_temperature)
         return {mode: {'accepted': tf[mode]['accepted']['mean'],
                        'alpha': [a['mean'] for a in tf[mode]['alpha']]}
                 for mode in (E.SAMPLED, E.GREEDY)}
@@ -871,11 +954,12 @@ class Experiment:
         from smollm2_lib import evaluate as E
 
         p = self.preset
-        out = {'tf_test': E.teacher_forced(model, sets.tf_test, 1, p.serving_temperature),
-               'tf_continuation': E.teacher_forced(model, sets.tf_continuation, 1,
+        gamma = p.depths
+        out = {'tf_test': E.teacher_forced(model, sets.tf_test, gamma, p.serving_temperature),
+               'tf_continuation': E.teacher_forced(model, sets.tf_continuation, gamma,
                                                    p.serving_temperature)}
         for key, temperature in (('spec_sampled', 1.0), ('spec_greedy', 0.0)):
-            out[key] = E.speculative_decoding(model, sets.prompts, 1, p.spec_rounds,
+            out[key] = E.speculative_decoding(model, sets.prompts, gamma, p.spec_rounds,
                                               temperature, seed)
         return out
 
@@ -901,6 +985,9 @@ class Experiment:
         """The scenarios in order of what they decide; each frees the sets the next ones do
         not read."""
         scenarios = self.preset.scenarios
+        if scenarios[0] == 'official':  # issue 59's order: the official head, then S1-S3
+            self.run_official()
+            return self.store.all()
         self.run_cold()  # every scenario starts from the cold start's official head
         if 'drift' in scenarios:
             self.run_drift()
