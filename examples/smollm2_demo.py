@@ -39,7 +39,8 @@ from cpu_demo import _Parser, start_megatron  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Where each preset's results go by default: the long run's are committed with the docs.
-DEFAULT_RESULTS = {'long': os.path.join(ROOT, 'examples', 'smollm2_results', 'long')}
+DEFAULT_RESULTS = {name: os.path.join(ROOT, 'examples', 'smollm2_results', name)
+                   for name in ('long', 'chained')}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help='sizes and scenarios (smollm2_lib/experiment.py)')
     p.add_argument('--results-dir', default=None,
                    help='parts/, report.md, summary.json and the plot (default: '
-                        'examples/smollm2_results/long for --preset long, else '
-                        'out/smollm2_demo/<preset>)')
+                        'examples/smollm2_results/<preset> for --preset long and chained, '
+                        'else out/smollm2_demo/<preset>)')
     p.add_argument('--commit', action='store_true',
                    help='git-commit each part as it finishes (long runs that may be interrupted)')
     p.add_argument('--report-only', action='store_true',
