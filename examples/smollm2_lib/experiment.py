@@ -160,7 +160,7 @@ PRESETS: Dict[str, Preset] = {
     'chained': Preset(name='chained', scenarios=('official',), seeds=(0, 1, 2), depths=3,
                       repeated_layer=True, schedule='cosine', split='files', plateau_check=True,
                       stdlib_chars=None, cold_steps=800, eval_every=100, checkpoint_every=50,
-                      tf_windows=96, spec_prompts=96, continuation_prompts=96),
+                      tf_windows=96, spec_prompts=80, continuation_prompts=80),
     # The chained preset's code paths at toy sizes (tests/test_smollm2.py).
     'chained-smoke': Preset(name='chained-smoke', scenarios=('official',), seeds=(0, 1),
                             depths=2, repeated_layer=True, schedule='cosine', split='files',
