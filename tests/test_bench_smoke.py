@@ -1,9 +1,13 @@
-"""Smoke test of the loss benchmark (``tools/bench_loss.py``) and of its memory instruments.
+"""Smoke test of the loss benchmark (``tools/bench_loss.py``) and of its memory instruments, and
+of the GPU check (``tools/gpu_check.py``) run on the CPU at tiny sizes.
 
 The benchmark itself runs in a subprocess with ``--quick`` (tiny shapes, the row groups: TP=1
 and TP=2, the 'step' GPTModel and the 'wide' MTP path); the memory tracker is validated
 in-process on allocation patterns whose byte counts are known, the targets and products floors
-on made-up rows.
+on made-up rows. The GPU check: its dry run, a planted failure, the exit without Megatron's CE;
+NVIDIA PR #6473's values against ``'e2e_tv'`` (a stand-in of its two modules written here, with a
+planted normalisation error, and the PR's own modules where ``tools/fetch_upstream_e2e_tv.py``
+fetched them); the recorded paths against the package's own decisions; the wheels it installs.
 """
 
 import argparse
@@ -159,21 +163,67 @@ def test_quick_run_memory_is_sane(quick_report):
             assert r['peak_mib'] * MiB >= r['seq'] * 4 * V // r['tp']
 
 
+#: A stand-in of PR #6473's two modules (``tools/fetch_upstream_e2e_tv.py`` fetches the real
+#: ones, never committed): its functions' signatures and meaning, in plain torch. ``{reduce}``
+#: is how the prefix objective reduces over depths: the PR's ``mean``, or a planted ``sum``
+#: (the normalisation the comparison must catch).
+STAND_IN_TV = """
+import torch
+
+def fused_mtp_tv_unavailable_reason(draft_logits, target_logits):
+    return {reason!r}
+
+def vocab_parallel_tv_distance(draft_logits, target_logits, tp_group=None,
+                               logits_are_vocab_sharded=True):
+    q = torch.softmax(draft_logits.float(), -1)
+    p = torch.softmax(target_logits.detach().float(), -1)
+    return 1.0 - torch.minimum(p, q).sum(-1)
+"""
+STAND_IN_PREFIX = """
+import torch
+
+def fused_mtp_prefix_unavailable_reason(acceptances):
+    return {reason!r}
+
+def mtp_e2e_prefix_objective(acceptances):
+    prefix_losses = 1.0 - torch.cumprod(acceptances, dim=0)
+    return prefix_losses.{reduce}(dim=0), prefix_losses.detach()
+"""
+
+
+def stand_in_pr(folder, reduce='mean', reason='a stand-in has no kernel'):
+    """Write the stand-in modules to ``folder``; the folder, as ``--upstream-dir`` takes it."""
+    os.makedirs(folder, exist_ok=True)
+    for name, text in (('fused_mtp_tv', STAND_IN_TV), ('fused_mtp_prefix', STAND_IN_PREFIX)):
+        with open(os.path.join(folder, f'{name}.py'), 'w') as f:
+            f.write(text.format(reduce=reduce, reason=reason))
+    return str(folder)
+
+
+def _without_triton_interpreter():
+    env = dict(os.environ)
+    env.pop('TRITON_INTERPRET', None)  # the torch row ops: the paths the test expects
+    return env
+
+
 @pytest.mark.slow
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     """``tools/gpu_check.py`` is meant for a short GPU lease: keep it runnable end to end, every
-    phase done and every check passing, the report on disk."""
+    phase done and every check passing, the report on disk, every row with the path it ran."""
+    upstream = stand_in_pr(tmp_path / 'pr6473')
+    out = tmp_path / 'out'
     proc = subprocess.run(
         [sys.executable, os.path.join(TOOLS, 'gpu_check.py'), '--device', 'cpu', '--quick',
-         '--dtype', 'float32', '--repeats', '1', '--out', str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+         '--dtype', 'float32', '--repeats', '1', '--out', str(out), '--upstream-dir', upstream],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=_without_triton_interpreter(),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((tmp_path / 'gpu_check.json').read_text())
+    report = json.loads((out / 'gpu_check.json').read_text())
     assert report['checks'] and all(c['ok'] for c in report['checks'])
     assert {name: p['status'] for name, p in report['phases'].items()} == {
         name: 'done' for name in ('reference', 'kernels', 'bf16', 'chunked_ce', 'main_logits',
-                                  'big_chunk', 'model', 'fused_wgrad', 'precision', 'bench')}
+                                  'big_chunk', 'model', 'fused_wgrad', 'precision', 'pr6473',
+                                  'bench')}
     assert {c['check'] for c in report['checks']} >= {
         'reference', 'bf16 vs fp32', 'chunked ce vs megatron ce', 'main logits vs projection',
         'big chunk', 'GPTModel bf16 steps', 'fused weight gradient in DDP',
@@ -184,10 +234,36 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert all(c['fusion_path'] for c in fused)
     assert report['preflight']['megatron_ce'] == 'vocab_parallel_cross_entropy'
     assert report['preflight']['megatron_core'].startswith('0.19.2')
+    assert report['preflight']['numpy'] and report['preflight']['packaging']
     cases = {(r['depths'], r['case']) for r in report['bench']}
     assert {(1, 'ce'), (1, 'ce fused'), (1, 'ce chunked'), (1, 'tv'), (1, 'tv projection'),
-            (1, 'nla'), (3, 'ce x3'), (3, 'e2e_tv')} <= cases
-    assert '## Benchmark' in (tmp_path / 'gpu_check.md').read_text()
+            (1, 'nla'), (3, 'ce x3'), (3, 'e2e_tv'), (3, 'PR #6473 e2e_tv')} <= cases
+    # Which path ran, for every check and every row: on this CPU the torch row ops, fp32
+    # products (the run is fp32) or, for a bf16 weight, the upcast fallback (no fp32-output GEMM
+    # off CUDA), the stand-in's fallback with its reason.
+    fallback = 'torch fallback: a stand-in has no kernel'
+    for row in report['checks'] + report['bench']:
+        assert row['path'] and all(row['path'].values()), row
+        assert row['path'].get('row_ops', 'torch') in ('torch', 'triton against torch')
+        assert row['path'].get('gemm', 'fp32') in ('fp32', 'upcast', 'fp32 / upcast'), row
+        if row in report['bench'] or row['check'] == 'reference':
+            assert row['path'].get('gemm', 'fp32') == 'fp32', row
+    megatron = {'ce': 'vocab_parallel_cross_entropy',
+                'ce fused': 'fused_vocab_parallel_cross_entropy'}
+    for row in report['bench']:
+        case = row['case'].removesuffix(' x3')
+        expected = ({'pr6473_tv': fallback, 'pr6473_prefix': fallback} if case.startswith('PR')
+                    else {'megatron_ce': megatron[case]} if case in megatron
+                    else {'row_ops': 'torch', 'gemm': 'fp32'})
+        assert row['path'] == expected, row
+    pr = [c for c in report['checks'] if c['check'] == 'PR #6473 vs e2e_tv']
+    assert [(c['dtype'], c['verdict']) for c in pr] == [('torch.float32', 'agree')]
+    assert pr[0]['path'] == {'row_ops': 'torch', 'gemm': 'fp32', 'pr6473_tv': fallback,
+                             'pr6473_prefix': fallback}
+    md = (out / 'gpu_check.md').read_text()
+    assert '## Benchmark' in md and "PR #6473 against 'e2e_tv' and float64" in md
+    assert '| PR #6473 e2e_tv |' in md and f'pr6473_tv={fallback}' in md
+    assert '- reference: ' in md and 'path row_ops=torch; gemm=fp32' in md
 
 
 def test_gpu_check_records_a_failed_phase_and_runs_the_next(tmp_path, monkeypatch):
@@ -209,15 +285,26 @@ def test_gpu_check_records_a_failed_phase_and_runs_the_next(tmp_path, monkeypatc
 
     monkeypatch.setattr(gpu_check.Report, 'write', write)
     monkeypatch.setattr(correctness, 'bf16_against_fp32', broken)
+    absent = str(tmp_path / 'no_pr6473')  # PR #6473 not carried: its phase is skipped
     rc = gpu_check.main(['--device', 'cpu', '--quick', '--dtype', 'float32', '--out',
-                         str(tmp_path), '--skip', 'reference,main_logits,big_chunk,model,bench'])
+                         str(tmp_path), '--upstream-dir', absent, '--skip',
+                         'reference,main_logits,big_chunk,model,fused_wgrad,precision,bench'])
     assert rc == 1
     report = json.loads((tmp_path / 'gpu_check.json').read_text())
+    assert report['phases']['pr6473']['status'] == 'skipped'
+    assert 'tools/fetch_upstream_e2e_tv.py' in report['phases']['pr6473']['reason']
+    assert report['preflight']['pr6473']['available'] is False
     assert report['phases']['bf16']['status'] == 'failed'
     assert 'planted failure' in report['phases']['bf16']['traceback']
     assert report['phases']['chunked_ce']['status'] == 'done'  # the next phase ran
     assert {'bf16': 'failed'}.items() <= written[-1].items()
     assert any(w.get('bf16') == 'running' for w in written)  # written as the phase began
+    # A skipped phase is no failure: the same run without the planted one exits 0.
+    monkeypatch.undo()
+    assert gpu_check.main(['--device', 'cpu', '--quick', '--out', str(tmp_path / 'again'),
+                           '--upstream-dir', absent, '--skip', 'reference,kernels,bf16,'
+                           'chunked_ce,main_logits,big_chunk,model,fused_wgrad,precision,'
+                           'bench']) == 0
 
 
 def test_gpu_check_fails_loudly_without_megatrons_cross_entropy(tmp_path):
@@ -232,6 +319,203 @@ def test_gpu_check_fails_loudly_without_megatrons_cross_entropy(tmp_path):
     report = json.loads((tmp_path / 'gpu_check.json').read_text())
     assert "vocab_parallel_cross_entropy is not importable" in report['fatal']
     assert not report['phases'] and not report['checks']
+
+
+def _load_upstream(folder):
+    from gpucheck import preflight
+
+    upstream = preflight.upstream_e2e_tv(folder)
+    assert upstream['available'], upstream
+    return upstream
+
+
+def test_pr6473_values_against_e2e_tv_and_float64(tmp_path):
+    """PR #6473's e2e-TV (the stand-in: its signatures and meaning) and the package's 'e2e_tv' on
+    the same inputs, both against float64: they agree in fp32 and bf16; a prefix objective
+    summed over depths instead of averaged (a normalisation the alignment must not hide) is
+    caught, in fp32 and in bf16 alike, as the PR's difference."""
+    from gpucheck import correctness
+
+    rows = correctness.pr6473_against_e2e_tv(
+        'cpu', 'torch', torch.bfloat16, _load_upstream(stand_in_pr(tmp_path / 'mean')), True)
+    assert [r['dtype'] for r in rows] == ['torch.float32', 'torch.bfloat16']
+    for r in rows:
+        assert r['ok'] and r['verdict'] == 'agree', r
+        assert r['G'] == 3 and 0.2 < r['alpha_mean'] < 0.8  # a warm head: every depth counts
+        for pair in ('ours_vs_pr', 'ours_vs_f64', 'pr_vs_f64'):
+            assert set(r[pair]) == {f'{q}_max_{m}' for q in ('loss', 'grad_draft', 'grad_weight')
+                                    for m in ('abs', 'rel')}
+    assert rows[0]['ours_vs_pr']['grad_draft_max_rel'] < 1e-5  # fp32: the same objective
+    assert rows[0]['loss_ours'] == pytest.approx(rows[0]['loss_f64'], rel=1e-5)
+
+    planted = correctness.pr6473_against_e2e_tv(
+        'cpu', 'torch', torch.bfloat16, _load_upstream(stand_in_pr(tmp_path / 'sum', 'sum')),
+        True)
+    for r in planted:
+        assert not r['ok'] and r['verdict'] == 'DIFFER: pr_vs_f64, ours_vs_pr', r
+        assert r['loss_pr'] > 2 * r['loss_ours']  # 3 depths summed, not averaged
+        assert r['ours_vs_f64']['loss_max_rel'] < 1e-3  # the package is not the one off
+
+
+def test_pr6473_bf16_verdict_records_the_prs_own_error():
+    """In bf16 the PR's gradients may be off float64 on their own (its draft logits are rounded
+    to bf16): recorded, not failed; the package off float64, or the PR's loss, fails; fp32
+    holds both."""
+    from gpucheck.correctness import _e2e_verdict
+
+    def errs(ours, pr, pr_loss=0.0):
+        one = lambda e, loss=0.0: {'loss_max_rel': loss, 'grad_draft_max_rel': e,  # noqa: E731
+                                   'grad_weight_max_rel': e}
+        return {'ours_vs_f64': one(ours), 'pr_vs_f64': one(pr, pr_loss),
+                'ours_vs_pr': one(ours + pr, pr_loss)}
+
+    verdict, ok = _e2e_verdict(errs(4e-3, 0.3), torch.bfloat16)
+    assert ok and verdict.startswith("ours within float64's tolerance; PR's torch.bfloat16 "
+                                     'gradients off float64 by 3.0e-01 (ours 4.0e-03)')
+    assert _e2e_verdict(errs(4e-3, 1e-2), torch.bfloat16) == ('agree', True)
+    assert _e2e_verdict(errs(0.1, 1e-2), torch.bfloat16)[1] is False
+    assert _e2e_verdict(errs(4e-3, 0.3, pr_loss=0.5), torch.bfloat16) == (
+        'DIFFER: pr_vs_f64, ours_vs_pr', False)  # its loss is off: no rounding explains that
+    assert _e2e_verdict(errs(1e-6, 1e-2), torch.float32) == (
+        'DIFFER: pr_vs_f64, ours_vs_pr', False)
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, '.cache', 'upstream_pr6473',
+                                                    'fused_mtp_tv.py')),
+                    reason='PR #6473 not fetched (tools/fetch_upstream_e2e_tv.py)')
+def test_pr6473_own_modules_agree_with_e2e_tv():
+    """The PR's own modules (its torch fallbacks on this CPU, its own reasons recorded): the
+    alignment of its prefix objective with 'e2e_tv' holds in fp32 to fp32 accuracy."""
+    from gpucheck import correctness, preflight
+
+    rows = correctness.pr6473_against_e2e_tv('cpu', 'torch', torch.float32,
+                                             _load_upstream(preflight.UPSTREAM_DIR), True)
+    assert [(r['dtype'], r['verdict'], r['ok']) for r in rows] == [
+        ('torch.float32', 'agree', True)]
+    assert rows[0]['path'] == {
+        'row_ops': 'torch', 'gemm': 'fp32',
+        'pr6473_tv': 'torch fallback: logits are not CUDA tensors',
+        'pr6473_prefix': 'torch fallback: acceptances are not a CUDA tensor'}
+
+
+#: Runs one loss call with a spy on the sweep's own ``row_ops_for``; prints, per ``kernels``,
+#: the row ops it took and the ones ``gpucheck.paths.row_ops`` records.
+ROW_OPS_SPY = """
+import json, sys, torch
+sys.path.insert(0, {tools!r})
+from gpucheck import paths
+from megatron.mtp_tv import sweep
+from megatron.mtp_tv.config import MTPLossOptions
+from megatron.mtp_tv.linear_tv import linear_tv_loss
+
+taken, original = [], sweep.row_ops_for
+sweep.row_ops_for = lambda logits, kernels: taken.append(original(logits, kernels)) or taken[-1]
+g = torch.Generator().manual_seed(0)
+draft, target = torch.randn(1, 4, 1, 8, generator=g), torch.randn(4, 1, 8, generator=g)
+weight = torch.randn(40, 8, generator=g)
+seen = {{}}
+for kernels in ('torch', 'auto'):
+    taken.clear()
+    linear_tv_loss(draft, target, weight, torch.full((1, 4, 1), 0.25),
+                   MTPLossOptions('tv', kernels=kernels))
+    seen[kernels] = [sorted({{ops.name for ops in taken}}), paths.row_ops('cpu', kernels)]
+seen['triton'] = paths.row_ops('cpu', 'triton')
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize('interpret', ['0', '1'])
+def test_recorded_row_ops_are_the_ones_the_sweep_takes(interpret):
+    """``gpucheck.paths.row_ops`` against what the sweep's own ``row_ops_for`` returned in a real
+    loss call (a subprocess: Triton picks its interpreter when the kernels are decorated): the
+    torch ops by request; with 'auto' torch on a CPU, Triton under the interpreter; for
+    'triton' where it cannot run, the loss's own error."""
+    proc = subprocess.run([sys.executable, '-c', ROW_OPS_SPY.format(tools=TOOLS)], cwd=ROOT,
+                          env=dict(os.environ, TRITON_INTERPRET=interpret, PYTHONPATH=ROOT),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    auto = 'triton' if interpret == '1' else 'torch'
+    assert seen['torch'] == [['torch'], 'torch'] and seen['auto'] == [[auto], auto]
+    if interpret == '1':
+        assert seen['triton'] == 'triton'
+    else:
+        assert seen['triton'].startswith(
+            "error: mtp_tv_kernels='triton' but the Triton kernel cannot run")
+
+
+def test_recorded_gemm_path_is_the_products_choice(monkeypatch):
+    """``gpucheck.paths.gemm`` reads ``Products``' own choice: fp32 for an fp32 weight, the
+    upcast fallback for bf16 on a CPU, the fp32-output GEMM where ``gemm_path`` found it."""
+    from gpucheck import paths
+    from megatron.mtp_tv import products
+
+    assert paths.gemm('cpu', torch.float32) == 'fp32'
+    assert paths.gemm('cpu', torch.bfloat16) == 'upcast'
+    monkeypatch.setitem(products._GEMM_PATHS, ('cpu', torch.float16), 'out_dtype')
+    assert paths.gemm('cpu', torch.float16) == 'out_dtype'
+    assert paths.package('cpu', 'torch', torch.float32, torch.float16) == {
+        'row_ops': 'torch', 'gemm': 'fp32 / out_dtype'}
+
+
+def test_recorded_pr6473_path_is_its_own_dispatch(tmp_path):
+    """The PR's path comes from its own ``*_unavailable_reason`` on the inputs it was given:
+    None is its Triton kernel, a reason its torch fallback."""
+    from gpucheck import pr6473
+
+    drafts, weight = torch.randn(2, 4, 1, 8), torch.randn(16, 8)
+    target, chains = torch.randn(4, 1, 16), torch.full((4, 1), 0.25)
+    for reason, expected in ((None, 'triton (fused)'),
+                             ('no GPU here', 'torch fallback: no GPU here')):
+        upstream = _load_upstream(stand_in_pr(tmp_path / str(reason), reason=reason))
+        _, path = pr6473.e2e_tv_loss(drafts, weight, target, chains, upstream)
+        assert path == {'pr6473_tv': expected, 'pr6473_prefix': expected}
+    del upstream['tv_unavailable_reason']  # a revision of the PR without the function
+    _, path = pr6473.e2e_tv_loss(drafts, weight, target, chains, upstream)
+    assert path['pr6473_tv'].startswith('unknown')
+
+
+def test_device_installs_only_the_wheels_it_lacks(tmp_path, capsys):
+    """``tools/gpucheck/wheels.py``: met requirements (a pinned version, or any version) install
+    nothing; an unmet one takes its carried wheel, or exits 3 naming it."""
+    import importlib.metadata
+
+    from gpucheck import wheels
+
+    core = importlib.metadata.version('megatron-core')
+    assert wheels.unmet([f'megatron-core=={core}', 'numpy', 'packaging']) == []
+    assert wheels.unmet(['megatron-core==0.0.1', 'numpy', 'no-such-distribution-here']) == [
+        'megatron-core==0.0.1', 'no-such-distribution-here']
+    carried = tmp_path / 'wheels'
+    carried.mkdir()
+    for name in ('megatron_core-0.0.1-cp312-cp312-manylinux_2_28_x86_64.whl',
+                 'megatron_core-0.0.2-cp312-cp312-manylinux_2_28_x86_64.whl',
+                 'numpy-2.5.5-cp312-cp312-manylinux_2_28_x86_64.whl'):
+        (carried / name).write_text('')
+    assert wheels.plan(['megatron-core==0.0.1', 'numpy'], str(carried)) == [
+        str(carried / 'megatron_core-0.0.1-cp312-cp312-manylinux_2_28_x86_64.whl')]
+    assert wheels.main(['--wheel-dir', str(carried), 'megatron-core==0.0.3']) == 3
+    assert 'megatron-core==0.0.3 is not installed here' in capsys.readouterr().err
+    assert wheels.main(['--wheel-dir', str(carried), f'megatron-core=={core}', 'numpy']) == 0
+    assert capsys.readouterr().out == ''  # nothing to install
+
+
+def test_on_device_script_installs_nothing_the_interpreter_has(tmp_path):
+    """``tools/gpu_check_on_device.sh`` with an interpreter that has megatron-core at the pin,
+    numpy and packaging: no pip call, no wheel needed, then the check itself (here without CUDA:
+    its exit 2)."""
+    for script in ('gpu_check_on_device.sh', 'prepare_gpu_run.sh'):
+        subprocess.run(['bash', '-n', os.path.join(TOOLS, script)], check=True)
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable,
+               GPU_CHECK_SITE=str(tmp_path / 'site'), CUDA_VISIBLE_DEVICES='')
+    proc = subprocess.run(['bash', os.path.join(TOOLS, 'gpu_check_on_device.sh')], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    log = (tmp_path / 'wheels.txt').read_text()
+    assert 'megatron-core==0.19.2: installed 0.19.2' in log and log.endswith('nothing to install\n')
+    assert not (tmp_path / 'site').exists()
+    assert json.loads((tmp_path / 'gpu_check.json').read_text())['fatal'] == (
+        'torch sees no CUDA device')
 
 
 def test_paired_ratio_cancels_a_slowdown_that_hits_a_whole_round():

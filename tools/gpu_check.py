@@ -20,11 +20,18 @@ Phases (``tools/gpucheck/``):
    ``'tv'``, finite and bit-identical across two runs; every loss's gradients under
    gradient-accumulation fusion in Megatron's DDP against plain autograd (apex's kernel where
    installed, its torch stand-in elsewhere: the path is recorded); bf16 and fp16 gradients of
-   every loss and target path against float64, each within twice Megatron CE's own error.
+   every loss and target path against float64, each within twice Megatron CE's own error;
+   NVIDIA PR #6473's e2e-TV against ``'e2e_tv'`` and both against float64 on the same inputs
+   (loss and gradients, fp32 and the run's dtype; skipped, with the reason, where its modules
+   were not carried).
 3. **bench**: per shape (tokens 4096/16384, hidden 4096/7168, vocabulary 151936/129280, 1 and 3
    depths), every case against Megatron's MTP cross-entropy in the same rounds: time ratios,
    peak memory (allocated and reserved), TFLOP/s against a same-run bf16 GEMM; the targets.
    Shapes stop being started past ``--budget-s``.
+
+Every check and benchmark row records which path ran (``path``): the Triton row kernels or the
+torch row ops, fp32 / fp32-output (``out_dtype``) GEMMs or their ``upcast`` fallback, Megatron's
+CE, PR #6473's fused kernels or its torch fallbacks (``gpucheck/paths.py``, ``gpucheck/pr6473.py``).
 
     python3 tools/gpu_check.py                          # on the GPU machine (docs/development.md)
     TRITON_INTERPRET=1 python3 tools/gpu_check.py --device cpu --quick   # dry run on a CPU
@@ -50,6 +57,7 @@ for _p in (_HERE, _ROOT):
         sys.path.insert(0, _p)
 
 from gpucheck import preflight as P  # noqa: E402  (torch only: the report is up before megatron)
+from gpucheck import wheels as W  # noqa: E402  (the standard library only)
 
 FULL_SHAPES = [  # (tokens, hidden, vocab, depths), the most telling first
     (4096, 4096, 151936, 1), (4096, 4096, 151936, 3), (4096, 7168, 129280, 1),
@@ -121,7 +129,7 @@ def render(report: Dict) -> str:
     lines += ['## Phases', '', '| phase | status | wall s | error |', '|---|---|---|---|']
     for name, p in report['phases'].items():
         lines.append(f"| {name} | {p.get('status')} | {p.get('wall_s', 0):.1f} | "
-                     f"{p.get('error', '')[:200]} |")
+                     f"{(p.get('error') or p.get('reason', ''))[:200]} |")
     checks = report['checks']
     failed = [c for c in checks if not c['ok']]
     lines += ['', '## Correctness', '', f'{len(checks) - len(failed)}/{len(checks)} checks passed',
@@ -131,8 +139,20 @@ def render(report: Dict) -> str:
         by_kind.setdefault(c['check'], []).append(c)
     for kind, rows in by_kind.items():
         bad = [r for r in rows if not r['ok']]
-        lines.append(f"- {kind}: {len(rows) - len(bad)}/{len(rows)}"
+        lines.append(f"- {kind}: {len(rows) - len(bad)}/{len(rows)}; path {paths_of(rows)}"
                      + (f"; FAILED: {json.dumps(bad, default=str)[:1500]}" if bad else ''))
+    verdicts = [c for c in checks if 'verdict' in c]
+    if verdicts:
+        lines += ['', "PR #6473 against 'e2e_tv' and float64 (max abs difference over the "
+                  "reference's largest magnitude):", '',
+                  '| dtype | V | loss ours / PR | grad draft ours-PR | grad weight ours-PR | '
+                  'ours-f64 | PR-f64 | verdict |', '|---|---|---|---|---|---|---|---|']
+        worst = lambda e: max(e['grad_draft_max_rel'], e['grad_weight_max_rel'])  # noqa: E731
+        for c in verdicts:
+            pair, ours, pr = c['ours_vs_pr'], c['ours_vs_f64'], c['pr_vs_f64']
+            lines.append(f"| {c['dtype']} | {c['V']} | {c['loss_ours']:.6g} / {c['loss_pr']:.6g}"
+                         f" | {pair['grad_draft_max_rel']:.2e} | {pair['grad_weight_max_rel']:.2e}"
+                         f" | {worst(ours):.2e} | {worst(pr):.2e} | {c['verdict']} |")
     rows = report['bench']
     if rows:
         b = report.get('bench_setup', {})
@@ -141,8 +161,8 @@ def render(report: Dict) -> str:
                   f"{b.get('roofline_n')}^3, same run) {b.get('roofline_tflops', 0):.0f} TFLOP/s; "
                   "'vs CE': the median of each round's ratio to CE's run", '',
                   '| tokens | hidden | vocab | depths | case | ms | vs CE | peak alloc MiB | '
-                  'peak reserved MiB | peak vs CE | TFLOP/s | of GEMM rate |',
-                  '|---|---|---|---|---|---|---|---|---|---|---|---|']
+                  'peak reserved MiB | peak vs CE | TFLOP/s | of GEMM rate | path |',
+                  '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
         for r in rows:
             mib = lambda v: '-' if v is None else f'{v / 2**20:.0f}'  # noqa: E731
             vs = r.get('peak_vs_ce')
@@ -150,7 +170,7 @@ def render(report: Dict) -> str:
                 f"| {r['tokens']} | {r['hidden']} | {r['vocab']} | {r['depths']} | {r['case']} | "
                 f"{r['time_s'] * 1e3:.2f} | {r['ratio_vs_ce']:.2f}x | {mib(r['peak_allocated'])} | "
                 f"{mib(r['peak_reserved'])} | {'-' if vs is None else f'{vs:.2f}x'} | "
-                f"{r['tflops']:.0f} | {r['of_roofline']:.0%} |")
+                f"{r['tflops']:.0f} | {r['of_roofline']:.0%} | {paths_of([r])} |")
     if report.get('targets'):
         met = sum(t['ok'] for t in report['targets'])
         lines += ['', '## Targets', '', f"{met}/{len(report['targets'])} met", '',
@@ -160,6 +180,16 @@ def render(report: Dict) -> str:
             lines.append(f"| {tuple(t['shape'])} | {t['target']} | {t['value']:.2f} | "
                          f"{'yes' if t['ok'] else 'NO'} |")
     return '\n'.join(lines)
+
+
+def paths_of(rows: List[Dict]) -> str:
+    """The paths ``rows`` ran, each setting with every value seen (``row_ops=torch; ...``)."""
+    seen: Dict[str, List[str]] = {}
+    for r in rows:
+        for key, value in (r.get('path') or {}).items():
+            if value not in seen.setdefault(key, []):
+                seen[key].append(value)
+    return '; '.join(f"{k}={' | '.join(v)}" for k, v in seen.items()) or 'not recorded'
 
 
 def _world(device: str):
@@ -219,6 +249,8 @@ def main(argv=None) -> int:
     from megatron.core import package_info
 
     pre['megatron_core'] = package_info.__version__
+    # megatron-core's imports, the image's own or carried (gpu_check_on_device.sh: wheels.txt)
+    pre['numpy'], pre['packaging'] = W.installed('numpy'), W.installed('packaging')
     import megatron.mtp_tv
     from gpucheck import bench as B
     from gpucheck import correctness as C
@@ -253,9 +285,15 @@ def main(argv=None) -> int:
         ('model', lambda: C.model_steps(device, kernels, quick)),
         ('fused_wgrad', lambda: C.fused_weight_gradient(device, kernels, quick)),
         ('precision', lambda: C.precision_against_float64(device, quick)),
+        ('pr6473', lambda: C.pr6473_against_e2e_tv(device, kernels, dtype, upstream, quick,
+                                                   tp_group)),
     ]
     for name, run in correctness:
         if name in skip:
+            continue
+        if name == 'pr6473' and not upstream['available']:
+            report.data['phases'][name] = {'status': 'skipped', 'reason': upstream['reason']}
+            report.write()
             continue
         with report.phase(name):
             report.add_checks(run())
@@ -280,7 +318,8 @@ def main(argv=None) -> int:
                 if device.startswith('cuda'):
                     torch.cuda.empty_cache()
     print(render(report.data), flush=True)
-    failed = [n for n, p in report.data['phases'].items() if p['status'] != 'done']
+    failed = [n for n, p in report.data['phases'].items()
+              if p['status'] not in ('done', 'skipped')]
     return 0 if all(c['ok'] for c in report.data['checks']) and not failed else 1
 
 

@@ -15,7 +15,13 @@ what was allocated before, as allocated bytes and as the caching allocator's res
   target projected by the loss itself (models without main logits);
 * at ``depths > 1``: ``e2e_tv`` (main-logits target), and NVIDIA PR #6473's fused e2e-TV as its
   ``_process_mtp_e2e_tv_loss`` composes it (the target projected once under ``no_grad``, each
-  depth's full logits, the fused TV distance and prefix objective, autograd for the rest).
+  depth's full logits, the fused TV distance and prefix objective, autograd for the rest;
+  ``gpucheck/pr6473.py``, whose values the correctness phase ``pr6473`` compares with
+  ``'e2e_tv'``).
+
+Every row records which path ran (``path``): the row ops and products of this package's losses
+(``gpucheck/paths.py``), Megatron's CE, the PR's Triton kernels or its torch fallbacks (its own
+dispatch tests on its inputs, run beside it: a few attribute checks per depth).
 
 FLOPs count the products each case runs (``2 n h V`` each); achieved TFLOP/s are set against a
 bf16 GEMM measured in the same run.
@@ -31,7 +37,11 @@ from megatron.mtp_tv.linear_tv import linear_tv_loss
 from megatron.mtp_tv.losses import CrossEntropy
 from megatron.mtp_tv.config import MTPLossOptions
 
+from gpucheck import paths, pr6473
+
 Run = Callable[[], None]
+#: A case: its run, its FLOPs, and which path it runs (a dict the PR's case fills as it runs).
+Case = Tuple[Run, int, Dict[str, str]]
 
 
 def gemm_roofline(device: str, dtype: torch.dtype, n: int) -> float:
@@ -59,8 +69,8 @@ def peak_memory(run: Run, device: str) -> Dict[str, Optional[int]]:
 
 def shape_cases(tokens: int, hidden: int, vocab: int, depths: int, device: str,
                 dtype: torch.dtype, kernels: str, ce: Dict, upstream: Dict,
-                tp_group) -> Tuple[str, Dict[str, Tuple[Run, int]]]:
-    """``(baseline name, {case: (run, flops)})`` for one shape (see the module docstring)."""
+                tp_group) -> Tuple[str, Dict[str, Case]]:
+    """``(baseline name, {case: (run, flops, path)})`` for one shape (see the module docstring)."""
     g = torch.Generator().manual_seed(tokens + hidden + depths)
     drafts = torch.randn(depths, tokens, 1, hidden, generator=g).to(device, dtype).requires_grad_()
     main = torch.randn(tokens, 1, hidden, generator=g).to(device, dtype)
@@ -96,43 +106,43 @@ def shape_cases(tokens: int, hidden: int, vocab: int, depths: int, device: str,
         return run
 
     suffix = f' x{depths}' if depths > 1 else ''
-    cases: Dict[str, Tuple[Run, int]] = {f'ce{suffix}': (megatron(ce['unfused']),
-                                                         3 * depths * gemm)}
+    products = 3 * depths * gemm
+    ours_path = paths.package(device, kernels, dtype)
+    cases: Dict[str, Case] = {
+        f'ce{suffix}': (megatron(ce['unfused']), products, paths.megatron_ce())}
     if ce['fused'] is not None:
-        cases[f'ce fused{suffix}'] = (megatron(ce['fused']), 3 * depths * gemm)
-    cases['ce chunked'] = (ours(CrossEntropy(), target_logits=False, labels=labels),
-                           3 * depths * gemm)
-    cases['tv'] = (ours('tv'), 3 * depths * gemm)
-    cases['tv projection'] = (ours('tv', target_logits=False), (3 * depths + 1) * gemm)
+        cases[f'ce fused{suffix}'] = (megatron(ce['fused']), products, paths.megatron_ce(True))
+    cases['ce chunked'] = (ours(CrossEntropy(), target_logits=False, labels=labels), products,
+                           ours_path)
+    cases['tv'] = (ours('tv'), products, ours_path)
+    cases['tv projection'] = (ours('tv', target_logits=False), products + gemm, ours_path)
     if depths == 1:
         for loss_type in ('kl', 'lk', 'nla'):
-            cases[loss_type] = (ours(loss_type), 3 * depths * gemm)
+            cases[loss_type] = (ours(loss_type), products, ours_path)
     else:
-        cases['e2e_tv'] = (ours('e2e_tv'), 3 * depths * gemm)
+        cases['e2e_tv'] = (ours('e2e_tv'), products, ours_path)
         if upstream.get('available'):
-            cases['PR #6473 e2e_tv'] = (_upstream_e2e(drafts, main, weight, upstream, tp_group,
-                                                      clear), (3 * depths + 1) * gemm)
+            run, path = _upstream_e2e(drafts, main, weight, per_chain, upstream, tp_group,
+                                      clear)
+            cases['PR #6473 e2e_tv'] = (run, products + gemm, path)
     return f'ce{suffix}', cases
 
 
-def _upstream_e2e(drafts, main, weight, upstream, tp_group, clear) -> Run:
-    """NVIDIA PR #6473's e2e-TV, composed as its ``_process_mtp_e2e_tv_loss`` composes it."""
-    depths, tokens = drafts.shape[0], drafts.shape[1]
+def _upstream_e2e(drafts, main, weight, chain_weights, upstream, tp_group,
+                  clear) -> Tuple[Run, Dict[str, str]]:
+    """NVIDIA PR #6473's e2e-TV as its ``_process_mtp_e2e_tv_loss`` composes it (the target
+    projected once, in the timed region), and the path its runs took."""
+    path: Dict[str, str] = {}
 
     def run():
         clear()
         with torch.no_grad():
-            target = torch.matmul(main, weight.t())  # [s, 1, V], projected once
-        distances = []
-        for k in range(depths):
-            # roll_tensor(shifts=-1) along the sequence, the vacated row zero-filled
-            target = torch.cat([target[1:], torch.zeros_like(target[:1])])
-            draft = torch.matmul(drafts[k], weight.t())
-            distances.append(upstream['tv_distance'](draft, target, tp_group=tp_group,
-                                                     logits_are_vocab_sharded=True))
-        loss, _ = upstream['prefix_objective'](1.0 - torch.stack(distances))
-        (loss.sum() / tokens).backward()
-    return run
+            target = torch.matmul(main, weight.t())  # [s, 1, V]
+        loss, ran = pr6473.e2e_tv_loss(drafts, weight, target, chain_weights, upstream,
+                                       tp_group)
+        loss.backward()
+        path.update(ran)
+    return run, path
 
 
 def bench_shape(tokens: int, hidden: int, vocab: int, depths: int, device: str,
@@ -141,11 +151,11 @@ def bench_shape(tokens: int, hidden: int, vocab: int, depths: int, device: str,
     """One report row per case of the shape."""
     baseline, cases = shape_cases(tokens, hidden, vocab, depths, device, dtype, kernels, ce,
                                   upstream, tp_group)
-    stats = summarise(time_interleaved({n: run for n, (run, _) in cases.items()}, repeats, warmup,
-                                       device), baseline)
+    stats = summarise(time_interleaved({n: case[0] for n, case in cases.items()}, repeats,
+                                       warmup, device), baseline)
     base_peak = None
     rows = []
-    for name, (run, flops) in cases.items():
+    for name, (run, flops, path) in cases.items():
         peak = peak_memory(run, device)
         if name == baseline:
             base_peak = peak
@@ -155,7 +165,8 @@ def bench_shape(tokens: int, hidden: int, vocab: int, depths: int, device: str,
                      'ratio_vs_ce': stats[name]['ratio'],
                      'ratio_of_medians': stats[name]['ratio_of_medians'],
                      'peak_allocated': peak['allocated'], 'peak_reserved': peak['reserved'],
-                     'tflops': flops / t / 1e12, 'of_roofline': flops / t / 1e12 / roofline})
+                     'tflops': flops / t / 1e12, 'of_roofline': flops / t / 1e12 / roofline,
+                     'path': dict(path)})
     for row in rows:
         if base_peak and base_peak['allocated']:
             row['peak_vs_ce'] = row['peak_allocated'] / base_peak['allocated']

@@ -3,7 +3,8 @@
 Every comparison is against an independent reference: the float64 full-vocabulary formulas of
 ``mtp_tv_dev/reference.py`` (on the CPU), the torch row ops for the Triton kernels, Megatron's
 own cross-entropy for the chunked one, the loss's own other target source or chunking, and the
-same run repeated (determinism).
+same run repeated (determinism). Every row says which path ran (``path``: the row ops, the
+products, Megatron's CE, PR #6473's kernels; ``gpucheck/paths.py``).
 """
 
 import contextlib
@@ -16,7 +17,9 @@ from megatron.mtp_tv.losses import LOSSES, CrossEntropy
 from megatron.mtp_tv.config import MTPLossOptions
 from megatron.mtp_tv.row_ops import TorchRowOps, TritonRowOps
 from mtp_tv_dev.models import forced_grad_storage
-from mtp_tv_dev.reference import depth_terms, objective, token_weights
+from mtp_tv_dev.reference import depth_terms, e2e_objective, objective, token_weights
+
+from gpucheck import paths, pr6473
 
 
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -28,7 +31,7 @@ def against_reference(device: str, kernels: str, quick: bool) -> List[Dict]:
     3 depths, several chunk sizes, either storage for backward (the gradients, or the logit
     gradients)."""
     S, B, H, V = (9, 2, 16, 300) if quick else (37, 2, 32, 5003)
-    rows = []
+    rows, path = [], paths.package(device, kernels, torch.float32)
     for loss_type in LOSSES:
         temperature = 0.7 if loss_type == 'lk' else 1.0
         for G in (1, 3):
@@ -61,7 +64,8 @@ def against_reference(device: str, kernels: str, quick: bool) -> List[Dict]:
                           and errs['grad_draft'] <= 1e-6 + 1e-3 * d_ref.grad.abs().max().item()
                           and errs['grad_weight'] <= 1e-6 + 1e-3 * w_ref.grad.abs().max().item())
                     rows.append({'check': 'reference', 'loss_type': loss_type, 'G': G,
-                                 'chunk': chunk, 'storage': storage, **errs, 'ok': ok})
+                                 'chunk': chunk, 'storage': storage, **errs, 'path': path,
+                                 'ok': ok})
     return rows
 
 
@@ -94,7 +98,8 @@ def kernels_against_torch(device: str, vocabs: List[int], rows_per_chunk: int) -
             ok = (errs['row_max'] == 0.0 and errs['argmax'] == 0.0 and errs['overlap'] <= 1e-5
                   and errs['dot'] <= 1e-5 and errs['kl'] <= 1e-4
                   and errs['grad'] <= 1e-4 * ref[-1].abs().max().item() + 1e-9)
-            out.append({'check': 'kernels', 'n': n, 'V': V, 'offset': offset, **errs, 'ok': ok})
+            out.append({'check': 'kernels', 'n': n, 'V': V, 'offset': offset, **errs,
+                        'path': {'row_ops': 'triton against torch'}, 'ok': ok})
     return out
 
 
@@ -118,6 +123,7 @@ def bf16_against_fp32(device: str, kernels: str, quick: bool) -> List[Dict]:
     diff = abs(out[torch.float32][0] - out[torch.bfloat16][0])
     return [{'check': 'bf16 vs fp32', 'loss_fp32': out[torch.float32][0],
              'loss_bf16': out[torch.bfloat16][0], 'abs_diff': diff,
+             'path': paths.package(device, kernels, torch.float32, torch.bfloat16),
              'ok': diff <= 2e-2 and all(out[torch.bfloat16][1:])}]
 
 
@@ -134,7 +140,7 @@ def chunked_ce_against_megatron(device: str, kernels: str, megatron_ce, quick: b
     x1, w1 = x.clone().requires_grad_(), weight.clone().requires_grad_()
     ref = (megatron_ce(torch.matmul(x1[0], w1.t()), labels[0], tp_group=tp_group) * w[0]).sum()
     ref.backward()
-    rows = []
+    rows, path = [], {**paths.package(device, kernels, torch.float32), **paths.megatron_ce()}
     for chunk in (0, 100):
         x2, w2 = x.clone().requires_grad_(), weight.clone().requires_grad_()
         out = linear_tv_loss(x2, None, w2, w,
@@ -146,7 +152,8 @@ def chunked_ce_against_megatron(device: str, kernels: str, megatron_ce, quick: b
         ok = (errs['loss'] <= 1e-5 * max(1.0, abs(ref.item()))
               and errs['grad_x'] <= 1e-6 + 1e-4 * x1.grad.abs().max().item()
               and errs['grad_weight'] <= 1e-6 + 1e-4 * w1.grad.abs().max().item())
-        rows.append({'check': 'chunked ce vs megatron ce', 'chunk': chunk, **errs, 'ok': ok})
+        rows.append({'check': 'chunked ce vs megatron ce', 'chunk': chunk, **errs, 'path': path,
+                     'ok': ok})
     return rows
 
 
@@ -155,7 +162,7 @@ def main_logits_against_projection(device: str, kernels: str, dtype: torch.dtype
     """The production default (the target read from the main logits the model projects anyway)
     against the loss's own projection of the target: the same loss and gradients, every loss."""
     S, B, H, V = (10, 2, 16, 300) if quick else (512, 2, 512, 32768)
-    rows = []
+    rows, path = [], paths.package(device, kernels, dtype)
     for loss_type in LOSSES:
         g = torch.Generator().manual_seed(5)
         draft = torch.randn(2, S, B, H, generator=g).to(device, dtype)
@@ -182,7 +189,7 @@ def main_logits_against_projection(device: str, kernels: str, dtype: torch.dtype
               and errs['grad_draft'] <= tol * d1.abs().max().item() + 1e-7
               and errs['grad_weight'] <= tol * w1.abs().max().item() + 1e-7)
         rows.append({'check': 'main logits vs projection', 'loss_type': loss_type,
-                     'dtype': str(dtype), **errs, 'ok': ok})
+                     'dtype': str(dtype), **errs, 'path': path, 'ok': ok})
     return rows
 
 
@@ -212,7 +219,7 @@ def big_chunk(device: str, kernels: str, dtype: torch.dtype, tokens: int, hidden
           and errs['grad_weight'] <= 2e-2 * w2.abs().max().item() + 1e-7)
     return [{'check': 'one chunk above 2^31 logits' if tokens * vocab > 2**31 else 'big chunk',
              'tokens': tokens, 'vocab': vocab, 'logits': tokens * vocab, 'dtype': str(dtype),
-             **errs, 'finite': finite, 'ok': ok}]
+             **errs, 'finite': finite, 'path': paths.package(device, kernels, dtype), 'ok': ok}]
 
 
 @contextlib.contextmanager
@@ -277,9 +284,12 @@ def model_steps(device: str, kernels: str, quick: bool, steps: int = 3) -> List[
         (losses_a, grads_a), (losses_b, grads_b) = runs
         finite = all(torch.isfinite(torch.tensor(losses_a))) and bool(torch.isfinite(grads_a).all())
         same = losses_a == losses_b and torch.equal(grads_a, grads_b)
+        # 'ce' is Megatron's own process_mtp_loss (GPTModel's default: no CE fusion)
+        path = (paths.megatron_ce() if loss_type == 'ce'
+                else paths.package(device, kernels, torch.bfloat16))
         rows.append({'check': 'GPTModel bf16 steps', 'loss_type': loss_type, 'steps': steps,
                      'main_losses': losses_a, 'finite': finite, 'deterministic': same,
-                     'ok': finite and same})
+                     'path': path, 'ok': finite and same})
     return rows
 
 
@@ -312,8 +322,12 @@ def fused_weight_gradient(device: str, kernels: str, quick: bool) -> List[Dict]:
         errs = {name: (got[name].float() - ref.float()).norm().item()
                 / max(ref.float().norm().item(), 1e-12) for name, ref in expected.items()}
         worst = max(errs, key=errs.get)
+        # the model is fp32 (gradients_after_step's default); 'ce' is Megatron's own loss
+        loss_path = (paths.megatron_ce() if loss == 'ce'
+                     else paths.package(device, kernels, torch.float32))
         rows.append({'check': 'fused weight gradient in DDP', 'loss_type': loss,
-                     'fusion_path': path, 'output_weight_rel_err': errs['output_layer.weight'],
+                     'fusion_path': path, 'path': {**loss_path, 'wgrad_fusion': path},
+                     'output_weight_rel_err': errs['output_layer.weight'],
                      'worst_param': worst, 'worst_rel_err': errs[worst],
                      'ok': errs[worst] < 1e-4})
     return rows
@@ -333,9 +347,134 @@ def precision_against_float64(device: str, quick: bool) -> List[Dict]:
             results = grad_precision.measure(dtype_name, tokens, losses, hidden, vocab,
                                              variants=grad_precision.VARIANTS, device=device)
         ce_draft, ce_weight = results['ce']
+        # grad_precision's losses take the default kernels ('auto'); 'ce' is Megatron's
+        ours = paths.package(device, 'auto', grad_precision.DTYPES[dtype_name])
         for name, (draft_err, weight_err) in results.items():
             ratio = max(draft_err / ce_draft, weight_err / ce_weight)
             rows.append({'check': 'gradient precision vs float64', 'dtype': dtype_name,
                          'loss': name, 'draft_rel_err': draft_err, 'weight_rel_err': weight_err,
-                         'over_ce': ratio, 'ok': ratio <= 2.0})
+                         'over_ce': ratio, 'path': paths.megatron_ce() if name == 'ce' else ours,
+                         'ok': ratio <= 2.0})
     return rows
+
+
+#: Tolerances on the max relative errors (:func:`_errors`), ``(loss, gradients)`` against float64
+#: on the same rounded inputs, per dtype: this package's, then the PR's. In bf16 the PR's draft
+#: logits leave the output layer rounded to bf16 (as in Megatron), and TV's gradient
+#: ``1[q < p]`` flips wherever that rounding crosses p: its gradient error is that of bf16
+#: logits (measured on CPU at hidden 256: 20-75% of the largest entry), this package's that of
+#: fp32 logits of bf16 operands (0.5%). So in bf16 the PR's error is a measurement, not a
+#: verdict on this package; fp32 rows hold both to fp32 accuracy (the objectives are the same).
+E2E_TOLERANCES = {torch.float32: ((1e-4, 1e-3), (1e-4, 1e-3)),
+                  torch.bfloat16: ((1e-3, 2e-2), (1e-2, 5e-2))}
+
+
+def pr6473_against_e2e_tv(device: str, kernels: str, dtype: torch.dtype, upstream: Dict,
+                          quick: bool, tp_group=None) -> List[Dict]:
+    """NVIDIA PR #6473's e2e-TV (its fused kernels where they run, else its torch fallback,
+    ``gpucheck/pr6473.py``) against this package's ``'e2e_tv'`` on the same inputs, and both
+    against the float64 reference of the equations on the CPU: loss, and gradients w.r.t. the
+    draft hidden states and the output weight (the PR's function takes the draft logits; their
+    gradient reaches both through the output layer's product). fp32 and ``dtype``; 3 depths,
+    masked chains; every vocabulary a multiple of the PR's 1024-wide tile and not (its masked
+    tail and its bit-packed ``[V/8]`` row)."""
+    S, B, H, vocabs = (9, 2, 16, [300]) if quick else (64, 2, 256, [151936, 5003])
+    rows = []
+    for V in vocabs:
+        inputs = _e2e_inputs(3, S, B, H, V, seed=V)
+        for dt in dict.fromkeys((torch.float32, dtype)):
+            rows.append(_e2e_row(device, kernels, dt, inputs, upstream, tp_group))
+    return rows
+
+
+def _e2e_inputs(G: int, S: int, B: int, H: int, V: int, seed: int, scale: float = 0.3) -> Dict:
+    """fp32 CPU inputs of a warm head (alpha about 0.4): depth k's draft is the main hidden
+    state k + 1 positions ahead plus noise; logits of a trained LM's spread (about 3); chains
+    masked at random and where a depth's target leaves the sequence."""
+    g = torch.Generator().manual_seed(seed)
+    main = torch.randn(S, B, H, generator=g)
+    drafts = torch.stack([torch.roll(main, -(k + 1), 0) + 0.6 * torch.randn(S, B, H, generator=g)
+                          for k in range(G)])
+    masks = (torch.rand(G, S, B, generator=g) > 0.1).float()
+    for k in range(G):
+        masks[k, S - k - 1:] = 0
+    return {'drafts': drafts, 'main': main, 'weight': torch.randn(V, H, generator=g) * 3 / H**0.5,
+            'masks': masks, 'scale': scale}
+
+
+def _e2e_row(device: str, kernels: str, dtype: torch.dtype, inputs: Dict, upstream: Dict,
+             tp_group) -> Dict:
+    """One comparison row: ours, the PR's and float64's loss and gradients, their differences."""
+    drafts = inputs['drafts'].to(device, dtype)
+    weight = inputs['weight'].to(device, dtype)
+    # The main head's logits in the model dtype: the one target all three read.
+    target = torch.matmul(inputs['main'].to(device, dtype), weight.t())
+    masks, scale = inputs['masks'], inputs['scale']
+    chain_weights = token_weights('e2e_tv', masks, scale).to(device)
+
+    d, w = drafts.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = linear_tv_loss(d, None, w, chain_weights, MTPLossOptions('e2e_tv', kernels=kernels),
+                          target_logits=target, tp_group=tp_group).loss
+    loss.backward()
+    ours = (loss, d.grad, w.grad)
+
+    d, w = drafts.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, pr_path = pr6473.e2e_tv_loss(d, w, target, chain_weights, upstream, tp_group)
+    loss.backward()
+    theirs = (loss, d.grad, w.grad)
+
+    d, w = (t.detach().cpu().double().requires_grad_() for t in (drafts, weight))
+    alpha, _ = depth_terms(None, list(d), w, main_logits=target.cpu())
+    loss = e2e_objective(alpha, masks.double(), scale)
+    loss.backward()
+    ref = (loss, d.grad, w.grad)
+
+    errs = {'ours_vs_pr': _errors(ours, theirs), 'ours_vs_f64': _errors(ours, ref),
+            'pr_vs_f64': _errors(theirs, ref)}
+    verdict, ok = _e2e_verdict(errs, dtype)
+    G, S, B, H = drafts.shape
+    return {'check': 'PR #6473 vs e2e_tv', 'dtype': str(dtype), 'G': G, 'S': S, 'B': B,
+            'V': weight.shape[0], 'loss_ours': ours[0].item(), 'loss_pr': theirs[0].item(),
+            'loss_f64': ref[0].item(), 'alpha_mean': alpha.mean().item(), **errs,
+            'verdict': verdict, 'path': {**paths.package(device, kernels, dtype), **pr_path},
+            'ok': ok}
+
+
+def _e2e_verdict(errs: Dict[str, Dict[str, float]], dtype: torch.dtype):
+    """``(verdict, ok)``: ``'agree'`` where every pair is within its tolerance. Fails: this
+    package off float64; in fp32 any pair off; the PR's loss off (continuous in the logits, its
+    bf16 rounding moves it by 1e-4). Recorded only: the PR's bf16 gradients off float64."""
+    (ours_loss, ours_grad), (pr_loss, pr_grad) = E2E_TOLERANCES.get(
+        dtype, E2E_TOLERANCES[torch.bfloat16])
+    # the two against each other: at most the sum of their distances to float64
+    off = [name for name, (loss_tol, grad_tol) in (
+        ('ours_vs_f64', (ours_loss, ours_grad)), ('pr_vs_f64', (pr_loss, pr_grad)),
+        ('ours_vs_pr', (ours_loss + pr_loss, ours_grad + pr_grad)))
+        if not _within(errs[name], loss_tol, grad_tol)]
+    if not off:
+        return 'agree', True
+    pr_loss_ok = errs['pr_vs_f64']['loss_max_rel'] <= pr_loss
+    if 'ours_vs_f64' in off or dtype == torch.float32 or not pr_loss_ok:
+        return 'DIFFER: ' + ', '.join(off), False
+    worst = {name: max(errs[name]['grad_draft_max_rel'], errs[name]['grad_weight_max_rel'])
+             for name in ('ours_vs_f64', 'pr_vs_f64')}
+    return (f"ours within float64's tolerance; PR's {dtype} gradients off float64 by "
+            f"{worst['pr_vs_f64']:.1e} (ours {worst['ours_vs_f64']:.1e}): its draft logits are "
+            f"rounded to {dtype}"), True
+
+
+def _errors(got, ref) -> Dict[str, float]:
+    """Max abs difference of loss and both gradients, and each over the reference's largest
+    magnitude (``*_rel``)."""
+    out = {}
+    for name, a, b in zip(('loss', 'grad_draft', 'grad_weight'), got, ref):
+        a, b = a.detach().double().cpu(), b.detach().double().cpu()
+        diff = (a - b).abs().max().item()
+        out[f'{name}_max_abs'] = diff
+        out[f'{name}_max_rel'] = diff / max(b.abs().max().item(), 1e-300)
+    return out
+
+
+def _within(errs: Dict[str, float], loss_tol: float, grad_tol: float) -> bool:
+    return (errs['loss_max_rel'] <= loss_tol and errs['grad_draft_max_rel'] <= grad_tol
+            and errs['grad_weight_max_rel'] <= grad_tol)

@@ -110,6 +110,12 @@ def upstream_e2e_tv(folder: str = UPSTREAM_DIR) -> Dict:
         modules[name] = module
     commit_file = os.path.join(folder, 'COMMIT')
     commit = open(commit_file).read().strip() if os.path.exists(commit_file) else None
+    tv, prefix = modules['fused_mtp_tv'], modules['fused_mtp_prefix']
+    # Its dispatch tests (gpucheck/pr6473.py records which path ran from them): None where the
+    # Triton kernel takes the input, else why its torch fallback runs.
     return {'available': True, 'commit': commit,
-            'tv_distance': modules['fused_mtp_tv'].vocab_parallel_tv_distance,
-            'prefix_objective': modules['fused_mtp_prefix'].mtp_e2e_prefix_objective}
+            'tv_distance': tv.vocab_parallel_tv_distance,
+            'prefix_objective': prefix.mtp_e2e_prefix_objective,
+            'tv_unavailable_reason': getattr(tv, 'fused_mtp_tv_unavailable_reason', None),
+            'prefix_unavailable_reason': getattr(prefix, 'fused_mtp_prefix_unavailable_reason',
+                                                 None)}
