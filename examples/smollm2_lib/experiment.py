@@ -73,6 +73,9 @@ class Preset:
     curve_windows: int = 32
     """Validation windows of the curves (every ``eval_every`` steps); the whole validation
     split scores each arm at its last step."""
+    validation_windows: Optional[int] = None
+    """The validation windows an arm's rate is chosen on (the first ones; None: the whole
+    split)."""
     checkpoint_every: int = 50
     heal_lr_grid: Tuple[float, ...] = (1e-4, 3e-4, 1e-3)
     heal_steps: int = 200
@@ -126,7 +129,7 @@ class Preset:
         out = {'version': EXPERIMENT_VERSION, **{k: getattr(self, k) for k in keys}}
         # Settings added after the 'long' run: recorded where they differ from the default, so
         # that its stored parts keep their fingerprints.
-        for name in ('depths', 'repeated_layer', 'schedule', 'split'):
+        for name in ('depths', 'repeated_layer', 'schedule', 'split', 'validation_windows'):
             if getattr(self, name) != Preset.__dataclass_fields__[name].default:
                 out[name] = getattr(self, name)
         return out
@@ -160,7 +163,8 @@ PRESETS: Dict[str, Preset] = {
     'chained': Preset(name='chained', scenarios=('official',), seeds=(0, 1, 2), depths=3,
                       repeated_layer=True, schedule='cosine', split='files', plateau_check=True,
                       stdlib_chars=None, cold_steps=800, eval_every=100, checkpoint_every=50,
-                      tf_windows=96, spec_prompts=80, continuation_prompts=80),
+                      validation_windows=128, tf_windows=96, spec_prompts=80,
+                      continuation_prompts=80),
     # The chained preset's code paths at toy sizes (tests/test_smollm2.py).
     'chained-smoke': Preset(name='chained-smoke', scenarios=('official',), seeds=(0, 1),
                             depths=2, repeated_layer=True, schedule='cosine', split='files',
@@ -453,7 +457,7 @@ class Experiment:
         for name in missing:
             if name in ('validation', 'curve'):
                 if sets.validation is None:
-                    windows = self.code.validation[:, :window]
+                    windows = self.code.validation[: p.validation_windows, :window]
                     states = H.cache_states(model, windows, 4, f'{label}: validation windows')
                     sets.validation = E.TeacherForcedSet.build('validation', model, windows,
                                                                states, p.context)
