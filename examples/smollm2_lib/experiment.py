@@ -74,8 +74,8 @@ class Preset:
     """Validation windows of the curves (every ``eval_every`` steps); the whole validation
     split scores each arm at its last step."""
     validation_windows: Optional[int] = None
-    """The validation windows an arm's rate is chosen on (the first ones; None: the whole
-    split)."""
+    """The validation windows an arm's rate is chosen on (spread evenly over the split, so
+    over its files; None: the whole split)."""
     checkpoint_every: int = 50
     heal_lr_grid: Tuple[float, ...] = (1e-4, 3e-4, 1e-3)
     heal_steps: int = 200
@@ -249,6 +249,14 @@ class Store:
             if os.path.isdir(folder) else []
         records = {n: self._read(n) for n in names}
         return {n: r for n, r in records.items() if r.get('common') == self.common}
+
+
+def spread(blocks: torch.Tensor, count: Optional[int]) -> torch.Tensor:
+    """``count`` of ``blocks`` ``[n, ...]`` at evenly spaced indices (all if None or >= n)."""
+    n = blocks.shape[0]
+    if count is None or count >= n:
+        return blocks
+    return blocks[torch.linspace(0, n - 1, count).round().long()]
 
 
 def half_decade(lr: float, up: bool) -> float:
@@ -457,7 +465,7 @@ class Experiment:
         for name in missing:
             if name in ('validation', 'curve'):
                 if sets.validation is None:
-                    windows = self.code.validation[: p.validation_windows, :window]
+                    windows = spread(self.code.validation, p.validation_windows)[:, :window]
                     states = H.cache_states(model, windows, 4, f'{label}: validation windows')
                     sets.validation = E.TeacherForcedSet.build('validation', model, windows,
                                                                states, p.context)
