@@ -56,11 +56,13 @@ def depth_terms(
     s, b, _ = main_z.shape
     log_p_all = torch.log_softmax(fn(main_z.double()) / temperature, dim=-1).detach()
     bounds = list(seq_bounds) if seq_bounds is not None else [0, s]
+    device = main_z.device  # a CUDA run (gpu_check's precision phase) indexes on the device
     seq_end = torch.empty(s, dtype=torch.long)
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         seq_end[lo:hi] = hi
+    seq_end = seq_end.to(device)
     uniform = torch.full_like(log_p_all[0, 0], -math.log(log_p_all.shape[-1]))
-    positions = torch.arange(s)
+    positions = torch.arange(s, device=device)
     alphas, kls = [], []
     for k, hidden in enumerate(depth_hidden):
         log_q = torch.log_softmax(fn((hidden @ weight.t()).double()) / temperature, dim=-1)

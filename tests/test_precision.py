@@ -76,3 +76,14 @@ def test_fp16_gradients_are_not_flushed_to_zero():
     objective('tv', alpha, kl, mask.double()[None, :, None], 0.1).mul(65536.0).backward()
     lost = (w.grad == 0) & (w64.grad.abs() > 6e-8)  # representable in fp16, yet zero
     assert lost.float().mean() < 1e-3
+
+
+def test_reference_runs_on_the_device_of_its_inputs():
+    """The GPU check's precision phase hands the float64 reference CUDA tensors: every index it
+    builds must live on the inputs' device (``meta`` stands in for CUDA here)."""
+    from mtp_tv_dev.reference import depth_terms
+
+    hidden = torch.randn(6, 2, 4, device='meta')
+    drafts = [torch.randn(6, 2, 4, device='meta') for _ in range(2)]
+    alpha, kl = depth_terms(hidden, drafts, torch.randn(10, 4, device='meta'), seq_bounds=[0, 3, 6])
+    assert alpha.device.type == kl.device.type == 'meta' and alpha.shape == (2, 6, 2)
