@@ -1,3 +1,5 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
 """Acceptance-aware (total-variation) training losses for Megatron MTP draft heads."""
 
 __version__ = '0.1.0'
@@ -6,8 +8,12 @@ from .config import MTP_LOSS_TYPES, MTPLossOptions, validate_mtp_loss_config
 from .linear_tv import TargetSegment, TVLossResult, linear_tv_loss
 
 __all__ = [
-    'MTP_LOSS_TYPES', 'MTPLossOptions', 'TVLossResult', 'TargetSegment',
-    'linear_tv_loss', 'validate_mtp_loss_config',
+    'MTP_LOSS_TYPES',
+    'MTPLossOptions',
+    'TVLossResult',
+    'TargetSegment',
+    'linear_tv_loss',
+    'validate_mtp_loss_config',
 ]
 
 

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
 """Where each MTP depth's target rows are: segments of positions under context parallelism and
 packing, and the rows the sweep chunks (docs/context_parallel.md)."""
 
@@ -35,10 +37,13 @@ class Run(NamedTuple):
     @property
     def position(self) -> Optional[int]:
         """The first row's position, or None past the segment's positions (halo or no draft)."""
-        return self.segment.start + self.r if self.segment.start + self.r < self.segment.stop else None
+        return (
+            self.segment.start + self.r if self.segment.start + self.r < self.segment.stop else None
+        )
 
     @property
     def halo_rows(self) -> slice:
+        """The run's rows within its segment's halo."""
         first = self.r - (self.segment.stop - self.segment.start)
         return slice(first, first + self.hi - self.lo)
 
@@ -116,7 +121,9 @@ class RowLayout:
             return
         for run in self.runs(lo, lo + n):
             if run.position is not None:
-                out.narrow(dim, run.position, run.hi - run.lo).copy_(rows.narrow(dim, run.lo, run.hi - run.lo))
+                out.narrow(dim, run.position, run.hi - run.lo).copy_(
+                    rows.narrow(dim, run.lo, run.hi - run.lo)
+                )
 
 
 def target_segments(
@@ -140,9 +147,9 @@ def target_segments(
     if layout == 'contiguous':  # one segment; its halo: the next rank's first rows
         if s_local < depth:
             raise ValueError(
-                f"context parallel size {cp}, contiguous layout: shards of {s_local} positions are "
-                f"shorter than mtp_num_layers={depth}, so MTP targets would lie two ranks away; use "
-                "longer packed rows or a smaller context parallel size."
+                f"context parallel size {cp}, contiguous layout: shards of {s_local} positions "
+                f"are shorter than mtp_num_layers={depth}, so MTP targets would lie two ranks "
+                "away; use longer packed rows or a smaller context parallel size."
             )
         (halo,), _ = _exchange([target_hidden[:depth]], None, rank, cp, cp_group)
         return [TargetSegment(0, s_local, halo)]

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
 """The MTP loss settings (imports no Megatron): the validation of the fields of
 ``TransformerConfig``, and :class:`MTPLossOptions`, what one call of the loss computes.
 
@@ -20,6 +22,7 @@ MTP_LOSS_TYPES: tuple = CROSS_ENTROPY_NAMES + tuple(LOSSES)
 
 
 def is_cross_entropy(loss_type: str) -> bool:
+    """Whether ``loss_type`` names Megatron's cross-entropy (``'ce'`` or ``'cross_entropy'``)."""
     return loss_type in CROSS_ENTROPY_NAMES
 
 
@@ -60,17 +63,28 @@ def _is_real(value) -> bool:
 
 #: Each kind of setting: whether a value is allowed, and what the error says is.
 _KINDS = {
-    'chunk': (lambda v: _is_real(v) and isinstance(v, int) and v >= 0, 'an int >= 0 (0: automatic)'),
+    'chunk': (
+        lambda v: _is_real(v) and isinstance(v, int) and v >= 0,
+        'an int >= 0 (0: automatic)',
+    ),
     'temperature': (lambda v: _is_real(v) and math.isfinite(v) and v > 0, 'a finite number > 0'),
     'flag': (lambda v: isinstance(v, bool), 'True or False'),
 }
 
-_FIELD_KINDS = {'mtp_tv_chunk': 'chunk', 'mtp_tv_temperature': 'temperature',
-                'mtp_log_acceptance': 'flag', 'mtp_ce_chunked': 'flag'}
+_FIELD_KINDS = {
+    'mtp_tv_chunk': 'chunk',
+    'mtp_tv_temperature': 'temperature',
+    'mtp_log_acceptance': 'flag',
+    'mtp_ce_chunked': 'flag',
+}
 
 #: Every MTP loss field of ``TransformerConfig``, each checked below (the losses check their own).
-MTP_LOSS_FIELDS = ('mtp_loss_type', 'mtp_tv_kernels', *_FIELD_KINDS,
-                   *(field for loss in LOSSES.values() for field in loss.config_fields.values()))
+MTP_LOSS_FIELDS = (
+    'mtp_loss_type',
+    'mtp_tv_kernels',
+    *_FIELD_KINDS,
+    *(field for loss in LOSSES.values() for field in loss.config_fields.values()),
+)
 
 
 def check_setting(name: str, value, kind: str) -> None:
@@ -81,6 +95,7 @@ def check_setting(name: str, value, kind: str) -> None:
 
 
 def check_choice(name: str, value, choices) -> None:
+    """ValueError naming ``name=value`` and the choices, unless ``value`` is one of them."""
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not supported; choose one of {list(choices)}.")
 
@@ -99,7 +114,9 @@ def validate_mtp_loss_config(config) -> None:
                 try:
                     loss(**{arg: getattr(config, field)})
                 except ValueError as error:
-                    raise ValueError(f"{field}={getattr(config, field)!r} is invalid; {error}") from None
+                    raise ValueError(
+                        f"{field}={getattr(config, field)!r} is invalid; {error}"
+                    ) from None
     _check_combination(config)
 
 
@@ -150,7 +167,9 @@ class MTPLossOptions:
             loss = CrossEntropy() if is_cross_entropy(loss) else make_loss(loss)
             object.__setattr__(self, 'loss', loss)
         elif not isinstance(loss, DraftLoss):
-            raise ValueError(f"loss={loss!r}; expected a DraftLoss or one of {list(MTP_LOSS_TYPES)}.")
+            raise ValueError(
+                f"loss={loss!r}; expected a DraftLoss or one of {list(MTP_LOSS_TYPES)}."
+            )
         check_setting('chunk_size', self.chunk_size, 'chunk')
         check_setting('temperature', self.temperature, 'temperature')
         object.__setattr__(self, 'temperature', float(self.temperature))
@@ -163,6 +182,7 @@ class MTPLossOptions:
 
     @property
     def inv_temperature(self) -> float:
+        """``1 / temperature``, what the logits are scaled by."""
         return 1.0 / self.temperature
 
     @property
@@ -179,9 +199,8 @@ class MTPLossOptions:
             chunk_size=config.mtp_tv_chunk,
             temperature=getattr(config, 'mtp_tv_temperature', 1.0),
             kernels=getattr(config, 'mtp_tv_kernels', 'auto'),
-            metrics=bool(metrics) and (
-                loss.needs_target or bool(getattr(config, 'mtp_log_acceptance', False))
-            ),
+            metrics=bool(metrics)
+            and (loss.needs_target or bool(getattr(config, 'mtp_log_acceptance', False))),
         )
 
 

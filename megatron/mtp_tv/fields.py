@@ -1,3 +1,5 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
 """The MTP loss fields of ``TransformerConfig``, in the plugin only.
 
 :func:`~megatron.mtp_tv.install` adds them to ``TransformerConfig``; a patch writes the block below
@@ -57,6 +59,8 @@ class MTPLossConfig:
     gradients formed in forward, where Megatron keeps every depth's [s, b, vocab / tp] fp32
     logits for backward. Needs mtp_num_layers >= 1 and mtp_tv_temperature=1; with
     mtp_log_acceptance the metrics come from the same chunks."""
+
+
 # END MTP_TV FIELDS
 
 

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
 """Run a Megatron script with the plugin installed, without editing the script.
 
     torchrun --nproc-per-node 8 -m megatron.mtp_tv.launch pretrain_gpt.py <usual args> \\

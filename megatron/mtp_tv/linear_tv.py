@@ -1,3 +1,5 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
 """The entry point of every draft loss, :func:`linear_tv_loss` (docs/implementation.md)."""
 
 from typing import Callable, List, Optional, Sequence
@@ -10,14 +12,14 @@ from .products import Products
 from .sweep import DenseGradients, StoredLogitGradients, SweepPlan, TVLossResult, sweep
 from .vocab_parallel import ProcessGroup
 
-
 AUTO_CHUNK_MIN_BYTES = 64 * 2**20
 
 AUTO_CHUNK_WEIGHT_GRADS = 2
 
 
-def auto_chunk_tokens(num_tokens: int, depths: int, hidden: int, vocab_local: int,
-                      target_rows: bool = True) -> int:
+def auto_chunk_tokens(
+    num_tokens: int, depths: int, hidden: int, vocab_local: int, target_rows: bool = True
+) -> int:
     """The chunk, in tokens, for ``chunk_size=0`` (the rule: docs/implementation.md)."""
     budget_rows = max(
         AUTO_CHUNK_WEIGHT_GRADS * hidden, AUTO_CHUNK_MIN_BYTES // (4 * max(1, vocab_local))
@@ -30,7 +32,11 @@ def auto_chunk_tokens(num_tokens: int, depths: int, hidden: int, vocab_local: in
 
 
 def choose_grad_storage(
-    rows: int, hidden: int, vocab_local: int, dtype: torch.dtype, draft_grad: bool,
+    rows: int,
+    hidden: int,
+    vocab_local: int,
+    dtype: torch.dtype,
+    draft_grad: bool,
     weight_grad: bool,
 ) -> str:
     """``'dense'`` (fp32 gradients) or ``'logit_grads'``, whichever is smaller to keep."""
@@ -75,35 +81,62 @@ def linear_tv_loss(
     """
     if not isinstance(options, MTPLossOptions):
         raise TypeError(f"options must be an MTPLossOptions, got {options!r}.")
-    _check_shapes(draft_hidden, target_hidden, weight, token_weights, options, labels, target_logits)
+    _check_shapes(
+        draft_hidden, target_hidden, weight, token_weights, options, labels, target_logits
+    )
     G, s, b, h = draft_hidden.shape
     tokens = options.chunk_size or auto_chunk_tokens(
-        s * b, G, h, weight.shape[0], target_rows=target_hidden is not None or target_logits is not None
+        s * b,
+        G,
+        h,
+        weight.shape[0],
+        target_rows=target_hidden is not None or target_logits is not None,
     )
     layout = RowLayout(segments if segments is not None else (TargetSegment(0, s),), G, s)
-    plan = SweepPlan(options, max(1, tokens // b), tp_group, logits_fn, layout, labels,
-                     target_is_logits=target_logits is not None)
+    plan = SweepPlan(
+        options,
+        max(1, tokens // b),
+        tp_group,
+        logits_fn,
+        layout,
+        labels,
+        target_is_logits=target_logits is not None,
+    )
     target = target_logits if target_logits is not None else target_hidden
     target = target.detach() if target is not None else None
     token_weights = token_weights.detach().float()
     if torch.is_grad_enabled() and (draft_hidden.requires_grad or weight.requires_grad):
         storage = choose_grad_storage(
-            G * s * b, h, weight.shape[0], weight.dtype, draft_hidden.requires_grad,
+            G * s * b,
+            h,
+            weight.shape[0],
+            weight.dtype,
+            draft_hidden.requires_grad,
             weight.requires_grad,
         )
         # Results leave via a list: autograd would keep non-differentiable outputs alive.
         results = []
-        loss_value = _LinearTV.apply(draft_hidden, weight, target, token_weights, plan, storage,
-                                     fuse_weight_grad, results)
+        loss_value = _LinearTV.apply(
+            draft_hidden, weight, target, token_weights, plan, storage, fuse_weight_grad, results
+        )
         return results[0]._replace(loss=loss_value)
     return sweep(draft_hidden, weight, target, token_weights, plan)[0]  # no gradient work at all
 
 
-def _check_shapes(draft_hidden, target_hidden, weight, token_weights, options: MTPLossOptions,
-                  labels, target_logits) -> None:
+def _check_shapes(
+    draft_hidden,
+    target_hidden,
+    weight,
+    token_weights,
+    options: MTPLossOptions,
+    labels,
+    target_logits,
+) -> None:
     loss = options.loss
     if draft_hidden.dim() != 4:
-        raise ValueError(f"draft_hidden must be [G, s, b, h], got shape {tuple(draft_hidden.shape)}.")
+        raise ValueError(
+            f"draft_hidden must be [G, s, b, h], got shape {tuple(draft_hidden.shape)}."
+        )
     G, s, b, h = draft_hidden.shape
     if weight.dim() != 2 or weight.shape[1] != h:
         raise ValueError(f"weight must be [V/tp, {h}], got shape {tuple(weight.shape)}.")
@@ -113,7 +146,9 @@ def _check_shapes(draft_hidden, target_hidden, weight, token_weights, options: M
         _check_shape('target_hidden', target_hidden, (s, b, h))
     elif options.metrics:
         raise ValueError(f"metrics compare with a target: {loss.name!r} was given none.")
-    _check_shape(f'token_weights for {loss.name!r}', token_weights, (s, b) if loss.per_chain else (G, s, b))
+    _check_shape(
+        f'token_weights for {loss.name!r}', token_weights, (s, b) if loss.per_chain else (G, s, b)
+    )
     if labels is not None:
         _check_shape('labels', labels, (G, s, b))
     elif loss.needs_labels:
@@ -128,8 +163,17 @@ def _check_shape(name: str, tensor: Optional[torch.Tensor], expected) -> None:
 
 class _LinearTV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, draft_hidden, weight, target, token_weights, plan: SweepPlan, storage: str,
-                fuse_weight_grad: bool, results: List[TVLossResult]):
+    def forward(
+        ctx,
+        draft_hidden,
+        weight,
+        target,
+        token_weights,
+        plan: SweepPlan,
+        storage: str,
+        fuse_weight_grad: bool,
+        results: List[TVLossResult],
+    ):
         need = ctx.needs_input_grad[:2]
         # A leaf parameter, not saved for backward: its main_grad is what backward writes.
         ctx.main_grad_weight = weight if fuse_weight_grad and need[1] else None

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
 """The draft objectives, one class each, and their registry :data:`LOSSES` (docs/losses.md)."""
 
 from typing import ClassVar, Dict, NamedTuple, Optional, Tuple, Type
@@ -35,8 +37,13 @@ class DraftLoss:
     config_fields: ClassVar[Dict[str, str]] = {}
     grad_bound: float = 1.0
 
-    def terms(self, alpha: Optional[torch.Tensor], kl: Optional[torch.Tensor], w: torch.Tensor,
-              nll: Optional[torch.Tensor] = None) -> LossTerms:
+    def terms(
+        self,
+        alpha: Optional[torch.Tensor],
+        kl: Optional[torch.Tensor],
+        w: torch.Tensor,
+        nll: Optional[torch.Tensor] = None,
+    ) -> LossTerms:
         """The chunk's terms from ``[G, n]`` overlaps, KL, weights (``[n]`` per chain), NLL."""
         tv_coef, kl_coef = self.row_coefficients(alpha, w)
         per_depth = self.per_token(alpha, kl)
@@ -45,9 +52,12 @@ class DraftLoss:
     def row_coefficients(
         self, alpha: torch.Tensor, w: torch.Tensor
     ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(tv_coef, kl_coef)``: each row's factor of the TV and KL gradients (None: no
+        such term)."""
         raise NotImplementedError
 
     def per_token(self, alpha: torch.Tensor, kl: Optional[torch.Tensor]) -> torch.Tensor:
+        """The objective per token ``[G, n]`` (``[n]`` per chain) from its overlaps and KL."""
         raise NotImplementedError
 
 
@@ -111,6 +121,7 @@ class LKLoss(DraftLoss):
         self.eta = float(eta)
 
     def mix(self, alpha: torch.Tensor) -> torch.Tensor:
+        """``exp(-eta * alpha)``: the weight of the KL term against the TV term per token."""
         return torch.exp(-self.eta * alpha)
 
     def row_coefficients(self, alpha, w):

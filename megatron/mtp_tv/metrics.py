@@ -1,3 +1,5 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
 """Acceptance metrics in Megatron's MTP tracker, next to ``mtp_{i} loss`` (docs/metrics.md)."""
 
 from typing import Dict
@@ -6,7 +8,6 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.transformer import multi_token_prediction as _mtp
-
 
 #: One flat statistics vector per micro-batch: per depth ``[alpha sum, token count, greedy
 #: agreements]``, then ``[sum of expected accepted drafts, of greedy accepted drafts, chains]``.
@@ -18,7 +19,9 @@ def expected_accepted(alpha: torch.Tensor) -> torch.Tensor:
     return alpha.cumprod(0).sum(0)
 
 
-def save_acceptance_to_tracker(result, masks: torch.Tensor, avg_group=None, log_loss: bool = True) -> None:
+def save_acceptance_to_tracker(
+    result, masks: torch.Tensor, avg_group=None, log_loss: bool = True
+) -> None:
     """Adds one training micro-batch's statistics to Megatron's MTP tracker.
 
     Args:
@@ -46,14 +49,20 @@ def save_acceptance_to_tracker(result, masks: torch.Tensor, avg_group=None, log_
         return
     agree = result.greedy_agreement.float()
     chains = masks.prod(dim=0)
-    stats = torch.cat([
-        (alpha * masks).sum(dim=(1, 2)), count, (agree * masks).sum(dim=(1, 2)),
-        torch.stack([
-            (expected_accepted(alpha) * chains).sum(),
-            (expected_accepted(agree) * chains).sum(),
-            chains.sum(),
-        ]),
-    ])
+    stats = torch.cat(
+        [
+            (alpha * masks).sum(dim=(1, 2)),
+            count,
+            (agree * masks).sum(dim=(1, 2)),
+            torch.stack(
+                [
+                    (expected_accepted(alpha) * chains).sum(),
+                    (expected_accepted(agree) * chains).sum(),
+                    chains.sum(),
+                ]
+            ),
+        ]
+    )
     tracker = _mtp.MTPLossLoggingHelper.tracker
     if STATS not in tracker or tracker[STATS].shape != stats.shape:
         tracker[STATS] = torch.zeros_like(stats)
@@ -71,7 +80,11 @@ def acceptance_metrics() -> Dict[str, torch.Tensor]:
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(stats, group=group)
     depth = (stats.numel() - 3) // 3
-    alpha_sum, count, agree_sum = stats[:depth], stats[depth : 2 * depth], stats[2 * depth : 3 * depth]
+    alpha_sum, count, agree_sum = (
+        stats[:depth],
+        stats[depth : 2 * depth],
+        stats[2 * depth : 3 * depth],
+    )
     accepted, greedy_accepted, chains = stats[3 * depth :]
     metrics = {}
     for k in range(depth):

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
 """Megatron glue: the MTP losses behind ``process_mtp_loss`` (docs/main_logits.md)."""
 
 import contextlib
@@ -28,10 +30,17 @@ def _roll_once(
     """Megatron's ``roll_tensor(tensor, shifts=-1, dims=-1)`` -> ``(rolled, rolled.sum())``."""
     roll_tensor = _mtp.roll_tensor
     if 'sequence_fields' in inspect.signature(roll_tensor).parameters:  # NVIDIA dev's list form
-        context = {} if roll_context is None else dict(
-            roll_context=roll_context, sequence_fields=[field], roll_depth=roll_depth)
+        context = (
+            {}
+            if roll_context is None
+            else dict(roll_context=roll_context, sequence_fields=[field], roll_depth=roll_depth)
+        )
         (rolled,) = roll_tensor(
-            [tensor], shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params,
+            [tensor],
+            shifts=-1,
+            dims=-1,
+            cp_group=cp_group,
+            packed_seq_params=packed_seq_params,
             **context,
         )
         return rolled, rolled.sum()
@@ -88,11 +97,21 @@ def process_mtp_tv_loss(
     main_hidden, draft_hidden = split_mtp_hidden_states(hidden_states, config)
     with torch.no_grad() if metrics_only else contextlib.nullcontext():
         loss = _mtp_tv_loss(
-            main_hidden, draft_hidden, None, labels=labels, loss_mask=loss_mask,
-            output_layer=output_layer, output_weight=output_weight, is_training=is_training,
-            config=config, cp_group=cp_group, tp_group=tp_group,
-            packed_seq_params=packed_seq_params, scale_logits_fn=scale_logits_fn,
-            input_ids=input_ids, sequence_roll_context=sequence_roll_context,
+            main_hidden,
+            draft_hidden,
+            None,
+            labels=labels,
+            loss_mask=loss_mask,
+            output_layer=output_layer,
+            output_weight=output_weight,
+            is_training=is_training,
+            config=config,
+            cp_group=cp_group,
+            tp_group=tp_group,
+            packed_seq_params=packed_seq_params,
+            scale_logits_fn=scale_logits_fn,
+            input_ids=input_ids,
+            sequence_roll_context=sequence_roll_context,
             metrics_only=metrics_only,
         )
     if metrics_only:
@@ -155,11 +174,27 @@ class _AttachMTPLoss(torch.autograd.Function):
         return grad_logits, torch.ones_like(mtp_loss) * scale
 
 
-def _mtp_tv_loss(main_hidden, draft_hidden, main_logits, *, labels, loss_mask, output_layer,
-                 output_weight, is_training, config, cp_group=None, tp_group=None,
-                 packed_seq_params=None, scale_logits_fn=None, input_ids=None,
-                 sequence_roll_context=None, metrics_only=False, runtime_gather_output=None,
-                 compute_language_model_loss=None) -> Optional[Tensor]:
+def _mtp_tv_loss(
+    main_hidden,
+    draft_hidden,
+    main_logits,
+    *,
+    labels,
+    loss_mask,
+    output_layer,
+    output_weight,
+    is_training,
+    config,
+    cp_group=None,
+    tp_group=None,
+    packed_seq_params=None,
+    scale_logits_fn=None,
+    input_ids=None,
+    sequence_roll_context=None,
+    metrics_only=False,
+    runtime_gather_output=None,
+    compute_language_model_loss=None,
+) -> Optional[Tensor]:
     """The scalar MTP loss, its metrics logged; None without labels and input ids (the last two
     arguments, ``process_mtp_loss``'s, go unused: the sweep never builds full logits)."""
     validate_mtp_loss_config(config)  # per call: fields may be assigned after construction
@@ -177,12 +212,17 @@ def _mtp_tv_loss(main_hidden, draft_hidden, main_logits, *, labels, loss_mask, o
     weight = _output_weight(output_layer, output_weight, config)
     fuse_weight_grad = _fuses_weight_grad(output_layer, weight, config.mtp_loss_type)
     draft, target = _vocab_parallel_layout(
-        draft_hidden, main_hidden, depth, tp_group,
+        draft_hidden,
+        main_hidden,
+        depth,
+        tp_group,
         bool(getattr(output_layer, 'sequence_parallel', False)),
         # the own projection's rows, and the context-parallel halos (another rank's rows)
         needs_target=options.with_target and (main_logits is None or group_size(cp_group) > 1),
     )
-    target = target if options.with_target else None  # cross-entropy without metrics: no target rows
+    target = (
+        target if options.with_target else None
+    )  # cross-entropy without metrics: no target rows
     # Under zigzag CP the packed bounds place the halos: this function's one host sync.
     segments = [TargetSegment(0, draft.shape[1])]
     if target is not None and group_size(cp_group) > 1:
@@ -192,17 +232,26 @@ def _mtp_tv_loss(main_hidden, draft_hidden, main_logits, *, labels, loss_mask, o
     if main_logits is not None:
         main_logits = _local_vocab_shard(main_logits, weight.shape[0], tp_group)
     result = linear_tv_loss(
-        draft, target if main_logits is None else None, weight,
-        _token_weights(options.loss, rolled, config), options, tp_group=tp_group,
-        logits_fn=scale_logits_fn, segments=segments,
-        labels=(torch.stack(rolled.labels).transpose(1, 2)
-                if is_training or options.loss.needs_labels else None),
+        draft,
+        target if main_logits is None else None,
+        weight,
+        _token_weights(options.loss, rolled, config),
+        options,
+        tp_group=tp_group,
+        logits_fn=scale_logits_fn,
+        segments=segments,
+        labels=(
+            torch.stack(rolled.labels).transpose(1, 2)
+            if is_training or options.loss.needs_labels
+            else None
+        ),
         target_logits=main_logits if options.with_target else None,
         fuse_weight_grad=fuse_weight_grad,
     )
     if is_training:
         save_acceptance_to_tracker(
-            result, rolled.masks.transpose(1, 2),
+            result,
+            rolled.masks.transpose(1, 2),
             avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
             log_loss=not metrics_only,
         )
@@ -236,7 +285,9 @@ def _roll_per_depth(labels, input_ids, loss_mask, depth: int, roll) -> Optional[
         depth_labels.append(labels)
         depth_masks.append(loss_mask)
         depth_num_tokens.append(num_tokens)
-    return _Rolled(depth_labels, torch.stack(depth_masks).float(), depth_num_tokens, original_num_tokens)
+    return _Rolled(
+        depth_labels, torch.stack(depth_masks).float(), depth_num_tokens, original_num_tokens
+    )
 
 
 def _token_weights(loss_fn, rolled: _Rolled, config) -> Tensor:
@@ -259,8 +310,8 @@ def _output_weight(output_layer, output_weight, config) -> Tensor:
         weight = weight.detach()
     if getattr(output_layer, 'bias', None) is not None:
         raise ValueError(
-            f"mtp_loss_type={config.mtp_loss_type!r} supports an output layer without bias (GPTModel's); "
-            "this output layer has a bias."
+            f"mtp_loss_type={config.mtp_loss_type!r} supports an output layer without bias "
+            "(GPTModel's); this output layer has a bias."
         )
     return weight
 
@@ -270,8 +321,10 @@ def _fuses_weight_grad(output_layer, weight: Tensor, loss_type: str) -> bool:
     does under Megatron's ``gradient_accumulation_fusion`` (DDP then skips ``.grad``): Megatron's
     ``ColumnParallelLinear`` holds the flag as ``gradient_accumulation_fusion``, Transformer
     Engine's output projection (``TELMHeadColumnParallelLinear``) as ``fuse_wgrad_accumulation``."""
-    fused = bool(getattr(output_layer, 'gradient_accumulation_fusion', False)
-                 or getattr(output_layer, 'fuse_wgrad_accumulation', False))
+    fused = bool(
+        getattr(output_layer, 'gradient_accumulation_fusion', False)
+        or getattr(output_layer, 'fuse_wgrad_accumulation', False)
+    )
     if fused and weight.requires_grad and hasattr(weight, '__fsdp_param__'):
         # Megatron-FSDP's fused linear overwrites the fetched gradient bucket (``out=``), so a
         # second writer of the same weight in one backward cannot be ordered safely.
@@ -293,7 +346,9 @@ def _vocab_parallel_layout(draft, main_hidden, depth, tp_group, sequence_paralle
         s_local = main_hidden.shape[0]
         draft = draft.view(tp, depth, s_local, *draft.shape[1:]).transpose(0, 1)
         draft = draft.reshape(depth, tp * s_local, *draft.shape[3:])
-        target = gather_from_sequence_parallel_region(target, True, tp_group) if needs_target else None
+        target = (
+            gather_from_sequence_parallel_region(target, True, tp_group) if needs_target else None
+        )
         return draft, target
     if tp > 1:
         draft = copy_to_tensor_model_parallel_region(draft, tp_group)
@@ -306,7 +361,8 @@ def _local_vocab_shard(main_logits: Tensor, vocab_local: int, tp_group) -> Tenso
     start, stop = vocab_range(vocab_local, tp_group)
     if main_logits.shape[-1] != vocab_local * group_size(tp_group):
         raise ValueError(
-            f"main logits with {main_logits.shape[-1]} vocabulary entries are neither this rank's "
-            f"shard ({vocab_local}) nor the gathered vocabulary ({vocab_local * group_size(tp_group)})."
+            f"main logits with {main_logits.shape[-1]} vocabulary entries are neither this "
+            f"rank's shard ({vocab_local}) nor the gathered vocabulary "
+            f"({vocab_local * group_size(tp_group)})."
         )
     return main_logits[..., start:stop]

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
 """Install the TV losses into a running megatron-core (plugin mode).
 
 :func:`install` does six things, each idempotent:
@@ -71,7 +73,13 @@ ROLL_TENSOR_FORMS = {
 #: per-depth loss with (the first one the tree has), and the parameters it must have.
 TRACKER_APIS = {
     'save_metrics_to_tracker': (
-        'loss', 'correct', 'total', 'layer_number', 'num_layers', 'reduce_group', 'avg_group'
+        'loss',
+        'correct',
+        'total',
+        'layer_number',
+        'num_layers',
+        'reduce_group',
+        'avg_group',
     ),
     'save_loss_to_tracker': ('loss', 'layer_number', 'num_layers', 'reduce_group', 'avg_group'),
 }
@@ -90,7 +98,9 @@ class _MainLogitsLoss:
         """The main hidden states, the MTP loss left for the logits projected from them."""
         from .mtp_loss import split_mtp_hidden_states
 
-        self.main_hidden, self.draft_hidden = split_mtp_hidden_states(hidden_states, kwargs['config'])
+        self.main_hidden, self.draft_hidden = split_mtp_hidden_states(
+            hidden_states, kwargs['config']
+        )
         self.kwargs = kwargs
         return self.main_hidden
 
@@ -120,7 +130,9 @@ class _MainLogitsLoss:
 
 #: The :class:`_MainLogitsLoss` of the running ``GPTModel._postprocess`` (None outside one, or
 #: where the loss does not follow the main logits): how the wrapper hands it to the dispatcher.
-_MAIN_LOGITS_LOSS: contextvars.ContextVar = contextvars.ContextVar('mtp_tv_main_logits_loss', default=None)
+_MAIN_LOGITS_LOSS: contextvars.ContextVar = contextvars.ContextVar(
+    'mtp_tv_main_logits_loss', default=None
+)
 
 
 class UnsupportedMegatronError(RuntimeError):
@@ -220,15 +232,20 @@ def check_megatron() -> None:
     tv_required = [n for n, p in tv.items() if p.default is inspect.Parameter.empty]
     helper = mtp.MTPLossLoggingHelper
     problems = [
-        process_mtp_loss_problem(_params(mtp.process_mtp_loss), list(tv), tv_required)
-        if hasattr(mtp, 'process_mtp_loss')
-        else 'no process_mtp_loss (a tree whose MTP loss is inline in GPTModel._postprocess, '
-        'like radixark miles-main, needs a patch from patches/)',
-        roll_tensor_problem(_params(mtp.roll_tensor)) if hasattr(mtp, 'roll_tensor')
-        else 'no roll_tensor',
-        tracker_problem({
-            name: _params(getattr(helper, name)) for name in TRACKER_APIS if hasattr(helper, name)
-        }),
+        (
+            process_mtp_loss_problem(_params(mtp.process_mtp_loss), list(tv), tv_required)
+            if hasattr(mtp, 'process_mtp_loss')
+            else 'no process_mtp_loss (a tree whose MTP loss is inline in GPTModel._postprocess, '
+            'like radixark miles-main, needs a patch from patches/)'
+        ),
+        (
+            roll_tensor_problem(_params(mtp.roll_tensor))
+            if hasattr(mtp, 'roll_tensor')
+            else 'no roll_tensor'
+        ),
+        tracker_problem(
+            {name: _params(getattr(helper, name)) for name in TRACKER_APIS if hasattr(helper, name)}
+        ),
     ]
     problems = [p for p in problems if p]
     if problems:
@@ -269,9 +286,14 @@ def add_config_fields(base: type) -> None:
         # Megatron's ArgumentGroupFactory reads help text from the class source, which does not
         # contain these fields: hand it over through the metadata it also honours.
         # (joined into one line, as the factory does with the docstrings it finds itself).
-        setattr(base, f.name, dataclasses.field(
-            default=f.default, metadata={'argparse_meta': {'help': ' '.join(docs[f.name].split())}}
-        ))
+        setattr(
+            base,
+            f.name,
+            dataclasses.field(
+                default=f.default,
+                metadata={'argparse_meta': {'help': ' '.join(docs[f.name].split())}},
+            ),
+        )
     for cls in [base] + _dataclass_subclasses(base):
         _reprocess_dataclass(cls)
     _validate_in_post_init(base)
@@ -304,8 +326,12 @@ def _reprocess_dataclass(cls: type) -> None:
             delattr(cls, name)
     dataclasses.dataclass(
         cls,
-        init=params.init, repr=params.repr, eq=params.eq, order=params.order,
-        unsafe_hash=params.unsafe_hash, frozen=params.frozen,
+        init=params.init,
+        repr=params.repr,
+        eq=params.eq,
+        order=params.order,
+        unsafe_hash=params.unsafe_hash,
+        frozen=params.frozen,
     )
 
 
@@ -382,7 +408,9 @@ def _install_main_logits() -> None:
 
     @functools.wraps(original)
     def _postprocess(self, *args, **kwargs):
-        output_processor = signature.bind_partial(self, *args, **kwargs).arguments.get('output_processor')
+        output_processor = signature.bind_partial(self, *args, **kwargs).arguments.get(
+            'output_processor'
+        )
         if not mtp_loss.mtp_loss_follows_main_logits(self, output_processor):
             return original(self, *args, **kwargs)
         pending = _MainLogitsLoss()

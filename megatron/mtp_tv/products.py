@@ -1,3 +1,5 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
 """The sweep's matrix products, accumulating in fp32 for any weight dtype (docs/precision.md)."""
 
 import math
@@ -11,6 +13,9 @@ GRAD_BOUND = 2.0**12
 
 
 class Products:
+    """The chunk's GEMMs against the output weight ``[V/tp, h]``: fp32 products, or bf16/fp16
+    operands with fp32 sums (an fp32-output GEMM where the device has one, else an upcast)."""
+
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
         self.native = weight.dtype == torch.float32
@@ -28,6 +33,7 @@ class Products:
         return torch.where(bound > 0, torch.exp2(exponent), one)
 
     def logits(self, inputs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``inputs [n, h] @ weight^T`` into ``out [n, V/tp]`` (fp32)."""
         if self.native:
             return torch.mm(inputs, self.weight.t(), out=out)
         if self.accumulating:
@@ -43,7 +49,9 @@ class Products:
         else:
             torch.mm(g.float(), self._fp32_weight(), out=out)
 
-    def weight_grad(self, grad_weight: torch.Tensor, g: torch.Tensor, x: torch.Tensor, accumulate: bool) -> None:
+    def weight_grad(
+        self, grad_weight: torch.Tensor, g: torch.Tensor, x: torch.Tensor, accumulate: bool
+    ) -> None:
         """``grad_weight (+)= g^T x``: overwrite on the first chunk, accumulate after."""
         beta = 1.0 if accumulate else 0.0
         if self.native:
@@ -70,10 +78,13 @@ def gemm_path(device: torch.device, dtype: torch.dtype) -> GemmPath:
     if key not in _GEMM_PATHS:
         _GEMM_PATHS[key] = _probe_gemm_path(device, dtype)
         if _GEMM_PATHS[key] == 'upcast' and device.type == 'cuda':
-            warnings.warn(f'megatron.mtp_tv: this torch build ({torch.__version__}) has no '
-                          f'out_dtype=float32 GEMM for {dtype} on CUDA; the loss multiplies fp32 '
-                          f'copies of the operands (an fp32 copy of the output weight per call).',
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f'megatron.mtp_tv: this torch build ({torch.__version__}) has no '
+                f'out_dtype=float32 GEMM for {dtype} on CUDA; the loss multiplies fp32 '
+                f'copies of the operands (an fp32 copy of the output weight per call).',
+                RuntimeWarning,
+                stacklevel=3,
+            )
     return _GEMM_PATHS[key]
 
 

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
 """The per-row vocabulary passes of the draft losses, in torch and in Triton."""
 
 import math
@@ -14,6 +16,7 @@ ROW_KERNELS = get_args(RowKernels)
 #: Smallest normal fp32: KL's logarithm clamps probabilities to it (docs/losses.md).
 _TINY = torch.finfo(torch.float32).tiny
 
+
 class Scratch:
     """Named buffers reused from one chunk (or row block) to the next."""
 
@@ -21,6 +24,7 @@ class Scratch:
         self._buffers: Dict[str, torch.Tensor] = {}
 
     def take(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A ``shape`` view of the buffer ``name``, reallocated only when it is too small."""
         numel = math.prod(shape)
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
@@ -28,7 +32,9 @@ class Scratch:
         return buf[:numel].view(shape)
 
 
-CoefficientFn = Callable[[slice, torch.Tensor], Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]
+CoefficientFn = Callable[
+    [slice, torch.Tensor], Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
+]
 
 
 class RowStats(NamedTuple):
@@ -85,15 +91,22 @@ class TorchRowOps:
     def __init__(self):
         self._scratch = Scratch()
 
-    def normalise_(self, z: torch.Tensor, group: ProcessGroup, vocab_start: Optional[int] = None,
-                   source: Optional[torch.Tensor] = None):
+    def normalise_(
+        self,
+        z: torch.Tensor,
+        group: ProcessGroup,
+        vocab_start: Optional[int] = None,
+        source: Optional[torch.Tensor] = None,
+    ):
         """``(z, RowStats)``, the ``[n, V/tp]`` fp32 logits ``z`` overwritten with their softmax
         (``vocab_start``: also the argmax; ``source``: ``z``'s first rows, read in place)."""
         single_shard = group_size(group) == 1
         n = z.shape[0]
         from_source = source.shape[0] if source is not None else 0
         local_max, local_logsum = z.new_empty(n), z.new_empty(n)
-        local_argmax = torch.empty(n, dtype=torch.long, device=z.device) if vocab_start is not None else None
+        local_argmax = (
+            torch.empty(n, dtype=torch.long, device=z.device) if vocab_start is not None else None
+        )
         for rows in self._blocks(z):
             zb, mb, sb = z[rows], local_max[rows], local_logsum[rows]
             xb = zb
@@ -120,14 +133,22 @@ class TorchRowOps:
 
     @staticmethod
     def rows(state: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start .. stop-1`` of a normalised chunk ``state``."""
         return state[start:stop]
 
     @staticmethod
     def written_grad(q: torch.Tensor) -> torch.Tensor:
+        """The tensor a gradient pass wrote into (the probabilities, in place)."""
         return q
 
-    def pair_sums(self, p: torch.Tensor, q: torch.Tensor, dot: bool = False, kl: bool = False,
-                  coefficients: Optional[CoefficientFn] = None) -> PairSums:
+    def pair_sums(
+        self,
+        p: torch.Tensor,
+        q: torch.Tensor,
+        dot: bool = False,
+        kl: bool = False,
+        coefficients: Optional[CoefficientFn] = None,
+    ) -> PairSums:
         """This shard's :class:`PairSums` of draft rows ``q`` against target rows ``p``; with
         ``coefficients`` (one shard: the sums are complete) also :meth:`grad_`, in the same pass."""
         n = q.shape[0]
@@ -140,7 +161,9 @@ class TorchRowOps:
             torch.sum(torch.minimum(pb, qb, out=work), dim=-1, out=overlap[rows])
             if kl:
                 ratio = torch.clamp(pb, min=_TINY, out=work)
-                ratio.div_(torch.clamp(qb, min=_TINY, out=self._buffer('work2', qb))).log_().mul_(pb)
+                ratio.div_(torch.clamp(qb, min=_TINY, out=self._buffer('work2', qb))).log_().mul_(
+                    pb
+                )
                 torch.sum(ratio, dim=-1, out=kls[rows])
             q_below = None
             if dot:  # last, so that the gradient below finds q * 1[q < p] in work
@@ -151,12 +174,21 @@ class TorchRowOps:
                 self._write_grad(pb, qb, q_below, dots[rows] if dot else None, tv_coef, kl_coef)
         return PairSums(overlap, dots, kls)
 
-    def grad_(self, p: torch.Tensor, q: torch.Tensor, dot: Optional[torch.Tensor],
-              tv_coef: Optional[torch.Tensor], kl_coef: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def grad_(
+        self,
+        p: torch.Tensor,
+        q: torch.Tensor,
+        dot: Optional[torch.Tensor],
+        tv_coef: Optional[torch.Tensor],
+        kl_coef: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """``tv_coef * q * (dot - 1[q < p]) + kl_coef * (q - p)`` written into ``q``."""
         for rows in self._blocks(q):
             self._write_grad(
-                p[rows], q[rows], None, dot[rows] if dot is not None else None,
+                p[rows],
+                q[rows],
+                None,
+                dot[rows] if dot is not None else None,
                 tv_coef[rows] if tv_coef is not None else None,
                 kl_coef[rows] if kl_coef is not None else None,
             )
@@ -200,12 +232,19 @@ class TritonRowOps:
 
     name = 'triton'
 
-    def normalise_(self, z: torch.Tensor, group: ProcessGroup, vocab_start: Optional[int] = None,
-                   source: Optional[torch.Tensor] = None):
+    def normalise_(
+        self,
+        z: torch.Tensor,
+        group: ProcessGroup,
+        vocab_start: Optional[int] = None,
+        source: Optional[torch.Tensor] = None,
+    ):
         """``((z, lse), RowStats)``, the logits left in place (``source`` copied in)."""
         if source is not None:
             z[: source.shape[0]].copy_(source)
-        local_max, local_logsum, local_argmax = _triton().row_stats(z, with_argmax=vocab_start is not None)
+        local_max, local_logsum, local_argmax = _triton().row_stats(
+            z, with_argmax=vocab_start is not None
+        )
         if local_argmax is not None:
             local_argmax += vocab_start
         lse, global_max, argmax = combine_row_stats(local_max, local_logsum, group, local_argmax)
@@ -213,14 +252,18 @@ class TritonRowOps:
 
     @staticmethod
     def rows(state, start: int, stop: int):
+        """Rows ``start .. stop-1`` of a chunk ``state`` (its logits and log-normaliser)."""
         z, lse = state
         return z[start:stop], lse[start:stop]
 
     @staticmethod
     def written_grad(q):
+        """The tensor a gradient pass wrote into (the logits, in place)."""
         return q[0]
 
     def pair_sums(self, p, q, dot=False, kl=False, coefficients=None):
+        """Per-row overlap, dot and KL of ``p`` and ``q``; with ``coefficients``, the logit gradient
+        written into ``q`` in the same pass."""
         overlap, dots, kls = _triton().pair_sums(*p, *q)
         sums = PairSums(overlap, dots if dot else None, kls if kl else None)
         if coefficients is not None:
@@ -229,10 +272,12 @@ class TritonRowOps:
         return sums
 
     def grad_(self, p, q, dot, tv_coef, kl_coef=None):
+        """The logit gradient of the TV (and KL) terms, written into ``q``'s logits."""
         return _triton().grad_(*p, *q, dot, tv_coef, kl_coef)
 
     @staticmethod
     def label_grad_(q, label, coef):
+        """Cross-entropy's logit gradient ``coef * (q - onehot(label))``, written into ``q``."""
         z, lse = q
         z.sub_(lse.unsqueeze(-1)).exp_().mul_(coef.unsqueeze(-1))
         _subtract_at_labels_(z, label, coef)
@@ -243,7 +288,9 @@ def _subtract_at_labels_(g: torch.Tensor, label: torch.Tensor, coef: torch.Tenso
     """``g[i, label[i]] -= coef[i]`` where ``label >= 0``: one write per row, no host sync."""
     inside = label >= 0
     column = torch.where(inside, label, torch.zeros_like(label)).unsqueeze(1)
-    g.scatter_add_(1, column, torch.where(inside, -coef, torch.zeros_like(coef)).unsqueeze(1).to(g.dtype))
+    g.scatter_add_(
+        1, column, torch.where(inside, -coef, torch.zeros_like(coef)).unsqueeze(1).to(g.dtype)
+    )
     return g
 
 

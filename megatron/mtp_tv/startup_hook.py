@@ -1,3 +1,5 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
 """Install the plugin at interpreter start-up, for programs you do not launch yourself.
 
 A one-line ``megatron_mtp_tv.pth`` file in site-packages runs at every interpreter start-up
@@ -113,9 +115,11 @@ def _cli(argv) -> int:
         else:
             print(f'{path} does not exist')
     else:
-        print(f'{path}: {"present" if os.path.exists(path) else "absent"}; '
-              f'{ENV}={os.environ.get(ENV, "")!r} ({state()}'
-              f'{"" if state() != "unrecognised" else ": off"})')
+        print(
+            f'{path}: {"present" if os.path.exists(path) else "absent"}; '
+            f'{ENV}={os.environ.get(ENV, "")!r} ({state()}'
+            f'{"" if state() != "unrecognised" else ": off"})'
+        )
     return 0
 
 

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
 """The chunked sweep every draft loss runs: chunk logits, row passes, loss, gradient sink."""
 
 from dataclasses import dataclass
@@ -15,6 +17,9 @@ from .vocab_parallel import ProcessGroup, all_reduce_sum_, group_size, vocab_ran
 
 @dataclass(frozen=True)
 class SweepPlan:
+    """What one sweep computes and how: the loss options, rows per chunk, the vocabulary's tensor-
+    parallel group, the logits hook, the row layout and the labels ``[G, s, b]``."""
+
     options: MTPLossOptions
     rows_per_chunk: int
     tp_group: ProcessGroup
@@ -46,10 +51,12 @@ class Chunk(NamedTuple):
 
     @property
     def span(self) -> slice:
+        """The chunk's rows, as a slice of the layout."""
         return slice(self.start, self.stop)
 
     @property
     def tokens(self) -> int:
+        """Tokens per depth in the chunk (rows times batch)."""
         return (self.stop - self.start) * self.b
 
     @property
@@ -58,6 +65,7 @@ class Chunk(NamedTuple):
         return (self.stop - self.start + self.depths - 1) * self.b if self.with_target else 0
 
     def draft_rows(self, k: int) -> slice:
+        """Depth ``k``'s rows in the chunk's stacked ``[target ++ drafts]`` inputs."""
         return slice(self.target_rows + k * self.tokens, self.target_rows + (k + 1) * self.tokens)
 
     def target_of(self, k: int) -> slice:
@@ -69,24 +77,39 @@ class Chunk(NamedTuple):
         return [_positions(hidden, run) for run in self.layout.runs(self.start, self.stop)]
 
     def target_runs(self):
+        """The :class:`~.alignment.Run` pieces of the chunk's target rows."""
         return self.layout.runs(self.start + 1, self.stop + self.depths, targets=True)
 
 
 def _positions(x: torch.Tensor, run) -> torch.Tensor:
     """``x``'s ``[s, b, ...]`` rows of ``run`` as ``[rows * b, ...]`` (zeros where none)."""
     n = run.hi - run.lo
-    rows = x[run.position : run.position + n] if run.position is not None else x.new_zeros((n,) + x.shape[1:])
+    rows = (
+        x[run.position : run.position + n]
+        if run.position is not None
+        else x.new_zeros((n,) + x.shape[1:])
+    )
     return rows.reshape((n * x.shape[1],) + tuple(x.shape[2:]))
 
 
 def chunks(layout: RowLayout, rows_per_chunk: int, b: int, depths: int, with_target: bool = True):
     """The layout's chunks in order (every TP rank walks the same ones)."""
     for start in range(0, layout.count, rows_per_chunk):
-        yield Chunk(layout, start, min(start + rows_per_chunk, layout.count), b, depths, with_target)
+        yield Chunk(
+            layout, start, min(start + rows_per_chunk, layout.count), b, depths, with_target
+        )
 
 
-def _chunk_logits(target, plan: SweepPlan, chunk: Chunk, drafts: List[torch.Tensor],
-                  products: Products, scratch: Scratch, out: torch.Tensor, read_in_place: bool):
+def _chunk_logits(
+    target,
+    plan: SweepPlan,
+    chunk: Chunk,
+    drafts: List[torch.Tensor],
+    products: Products,
+    scratch: Scratch,
+    out: torch.Tensor,
+    read_in_place: bool,
+):
     """Writes the chunk's target rows' then its draft rows' logits into ``out``; returns ``(draft
     inputs [G*n, h], target rows the row ops read in place or None)``. Target rows are projected
     with the draft rows in one product (``target`` the main hidden states) or read from the main
@@ -94,12 +117,16 @@ def _chunk_logits(target, plan: SweepPlan, chunk: Chunk, drafts: List[torch.Tens
     them is left for the row ops to read)."""
     n_t, h = chunk.target_rows, drafts[0].shape[1]
     own_projection = target is not None and not plan.target_is_logits
-    pieces = [_target_hidden_rows(target, run) for run in chunk.target_runs()] if own_projection else []
+    pieces = (
+        [_target_hidden_rows(target, run) for run in chunk.target_runs()] if own_projection else []
+    )
     first = 0 if own_projection else n_t  # the first row of out this product writes
-    rows = torch.cat(pieces + drafts, out=scratch.take(
-        'inputs', (out.shape[0] - first, h), products.weight.dtype, out.device))
+    rows = torch.cat(
+        pieces + drafts,
+        out=scratch.take('inputs', (out.shape[0] - first, h), products.weight.dtype, out.device),
+    )
     products.logits(rows, out[first:])
-    inputs = rows[n_t - first:]
+    inputs = rows[n_t - first :]
     if own_projection or target is None:
         return inputs, None
     return inputs, _target_logit_rows(target, chunk, products, scratch, out[:n_t], read_in_place)
@@ -108,15 +135,37 @@ def _chunk_logits(target, plan: SweepPlan, chunk: Chunk, drafts: List[torch.Tens
 class DenseGradients:
     """Gradient sink: fp32 ``[G, s, b, h]`` and ``[V/tp, h]`` gradients, formed chunk by chunk."""
 
-    def __init__(self, draft_hidden: torch.Tensor, weight: torch.Tensor, layout: RowLayout,
-                 draft_grad: bool, weight_grad: bool):
-        self.draft = _new_rows_buffer(draft_hidden.shape, torch.float32, draft_hidden.device, layout) if draft_grad else None
+    def __init__(
+        self,
+        draft_hidden: torch.Tensor,
+        weight: torch.Tensor,
+        layout: RowLayout,
+        draft_grad: bool,
+        weight_grad: bool,
+    ):
+        self.draft = (
+            _new_rows_buffer(draft_hidden.shape, torch.float32, draft_hidden.device, layout)
+            if draft_grad
+            else None
+        )
         # The first product overwrites it: zero-filling [V/tp, h] first would be one more pass.
-        self.weight = torch.empty(weight.shape, dtype=torch.float32, device=draft_hidden.device) if weight_grad else None
+        self.weight = (
+            torch.empty(weight.shape, dtype=torch.float32, device=draft_hidden.device)
+            if weight_grad
+            else None
+        )
         self._weight_started = False
 
-    def add(self, chunk: Chunk, g: torch.Tensor, inputs: torch.Tensor, products: Products,
-            scratch: Scratch) -> None:
+    def add(
+        self,
+        chunk: Chunk,
+        g: torch.Tensor,
+        inputs: torch.Tensor,
+        products: Products,
+        scratch: Scratch,
+    ) -> None:
+        """Adds the chunk's logit gradient ``g``, projected, into the draft states' and the
+        weight's gradients."""
         n, G = chunk.tokens, chunk.depths
         # fp32: all depths in one product; others depth by depth (no [G*n, V/tp] cast copy).
         blocks = [slice(0, G)] if products.native else [slice(k, k + 1) for k in range(G)]
@@ -130,6 +179,7 @@ class DenseGradients:
                 self._weight_started = True
 
     def finish(self) -> None:
+        """Zeroes the weight gradient if no chunk reached it."""
         if self.weight is not None and not self._weight_started:  # no chunk at all
             self.weight.zero_()
 
@@ -139,13 +189,17 @@ class StoredLogitGradients:
 
     def __init__(self, draft_hidden: torch.Tensor, weight: torch.Tensor, layout: RowLayout):
         G, s, b, _ = draft_hidden.shape
-        self.logit_grads = _new_rows_buffer((G, s, b, weight.shape[0]), weight.dtype, draft_hidden.device, layout)
+        self.logit_grads = _new_rows_buffer(
+            (G, s, b, weight.shape[0]), weight.dtype, draft_hidden.device, layout
+        )
 
     def add(self, chunk: Chunk, g, inputs, products, scratch) -> None:
+        """Stores the chunk's logit gradient at its rows."""
         rows = g.reshape(chunk.depths, chunk.stop - chunk.start, chunk.b, -1)
         chunk.layout.scatter(self.logit_grads, rows, chunk.start, dim=1)
 
     def finish(self) -> None:
+        """Nothing to finish: every chunk's gradient is stored."""
         pass
 
 
@@ -157,8 +211,13 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
     loss_fn, inv_temperature = options.loss, options.inv_temperature
     has_target = target is not None
     # Target logits the row ops would only copy are read in place: fp32, no logit function or T.
-    read_in_place = (has_target and plan.target_is_logits and plan.logits_fn is None
-                     and inv_temperature == 1.0 and target.dtype == torch.float32)
+    read_in_place = (
+        has_target
+        and plan.target_is_logits
+        and plan.logits_fn is None
+        and inv_temperature == 1.0
+        and target.dtype == torch.float32
+    )
     out = _Results(G, layout.count, b, device, has_target)
     # Per-token tensors in the layout's rows: weight 0 (and no label) where a row has no draft.
     token_weights = layout.to_rows(token_weights, dim=token_weights.dim() - 2)
@@ -174,25 +233,43 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
 
     for chunk in chunks(layout, plan.rows_per_chunk, b, G, has_target):
         n = chunk.tokens
-        raw = scratch.take('logits', (chunk.target_rows + G * n, weight.shape[0]), torch.float32, device)
+        raw = scratch.take(
+            'logits', (chunk.target_rows + G * n, weight.shape[0]), torch.float32, device
+        )
         drafts = [piece for k in range(G) for piece in chunk.drafts(draft_hidden[k])]
-        inputs, in_place_rows = _chunk_logits(target, plan, chunk, drafts, products, scratch, raw,
-                                              read_in_place)
+        inputs, in_place_rows = _chunk_logits(
+            target, plan, chunk, drafts, products, scratch, raw, read_in_place
+        )
         z = _scaled_logits(raw, plan)  # row ops overwrite it; raw stays for the chain rule
         ops = ops or row_ops_for(z, options.kernels)
         label_logits = _label_logits(z, chunk, labels, vocab) if labels is not None else None
 
         # Collective 1: the normalisers (and argmax) of the target rows and every depth's rows.
-        probs, stats = ops.normalise_(z, plan.tp_group, vocab[0] if options.metrics else None, source=in_place_rows)
-        pairs = [(ops.rows(probs, t.start, t.stop), ops.rows(probs, r.start, r.stop))
-                 for t, r in ((chunk.target_of(k), chunk.draft_rows(k)) for k in range(G))
-                 if has_target]
-        w = token_weights[chunk.span].reshape(n) if loss_fn.per_chain else token_weights[:, chunk.span].reshape(G, n)
+        probs, stats = ops.normalise_(
+            z, plan.tp_group, vocab[0] if options.metrics else None, source=in_place_rows
+        )
+        pairs = [
+            (ops.rows(probs, t.start, t.stop), ops.rows(probs, r.start, r.stop))
+            for t, r in ((chunk.target_of(k), chunk.draft_rows(k)) for k in range(G))
+            if has_target
+        ]
+        w = (
+            token_weights[chunk.span].reshape(n)
+            if loss_fn.per_chain
+            else token_weights[:, chunk.span].reshape(G, n)
+        )
 
         # Collective 2: every depth's overlap and, as needed, dot product, KL and label logits.
         sums = [
-            ops.pair_sums(p, q, dot=want_dot, kl=loss_fn.needs_kl,
-                          coefficients=_row_coefficients(loss_fn, w[k], coef_scale) if one_pass_grad else None)
+            ops.pair_sums(
+                p,
+                q,
+                dot=want_dot,
+                kl=loss_fn.needs_kl,
+                coefficients=(
+                    _row_coefficients(loss_fn, w[k], coef_scale) if one_pass_grad else None
+                ),
+            )
             for k, (p, q) in enumerate(pairs)
         ]
         row = _reduce(sums, label_logits, stats, chunk, want_dot, loss_fn.needs_kl, plan.tp_group)
@@ -214,15 +291,18 @@ def sweep(draft_hidden, weight, target, token_weights, plan: SweepPlan, sink=Non
 def _write_label_grad(ops, probs, chunk: Chunk, label_logits, coef: torch.Tensor) -> None:
     for k in range(chunk.depths):
         draft = chunk.draft_rows(k)
-        ops.label_grad_(ops.rows(probs, draft.start, draft.stop), label_logits.local_index[k], coef[k])
+        ops.label_grad_(
+            ops.rows(probs, draft.start, draft.stop), label_logits.local_index[k], coef[k]
+        )
 
 
 def _write_grad(ops, pairs, terms, dot, coef_scale) -> None:
     if terms.tv_coef is None and terms.kl_coef is None:
         return
     for k, (p, q) in enumerate(pairs):
-        tv_coef, kl_coef = (c[k] * coef_scale if c is not None else None
-                            for c in (terms.tv_coef, terms.kl_coef))
+        tv_coef, kl_coef = (
+            c[k] * coef_scale if c is not None else None for c in (terms.tv_coef, terms.kl_coef)
+        )
         ops.grad_(p, q, dot[k] if dot is not None else None, tv_coef, kl_coef)
 
 
@@ -236,13 +316,16 @@ class _RowSums(NamedTuple):
 
 class _Results:
     def __init__(self, G, s, b, device, with_alpha: bool):
-        self.alpha = torch.zeros(G, s, b, dtype=torch.float32, device=device) if with_alpha else None
+        self.alpha = (
+            torch.zeros(G, s, b, dtype=torch.float32, device=device) if with_alpha else None
+        )
         self.per_depth = torch.zeros(G, s, b, dtype=torch.float32, device=device)
         self.correct = torch.zeros(G, s, b, dtype=torch.bool, device=device)
         self.agreement = torch.zeros(G, s, b, dtype=torch.bool, device=device)
         self.loss = torch.zeros((), dtype=torch.float32, device=device)
 
     def record(self, chunk: Chunk, row: _RowSums, terms, stats) -> None:
+        """Stores the chunk's per-token values and adds its loss."""
         shape = (chunk.depths, chunk.stop - chunk.start, chunk.b)
         rows = chunk.span
         if self.alpha is not None:
@@ -250,9 +333,12 @@ class _Results:
         if row.hits is not None:
             self.correct[:, rows] = (row.hits > 0).view(shape)
         if stats is not None and chunk.with_target:
-            agree = torch.stack([
-                stats.argmax[chunk.target_of(k)] == stats.argmax[chunk.draft_rows(k)] for k in range(chunk.depths)
-            ])
+            agree = torch.stack(
+                [
+                    stats.argmax[chunk.target_of(k)] == stats.argmax[chunk.draft_rows(k)]
+                    for k in range(chunk.depths)
+                ]
+            )
             self.agreement[:, rows] = agree.view(shape)
         self.loss += terms.loss
         self.per_depth[:, rows] = terms.per_depth.view(shape)
@@ -261,13 +347,19 @@ class _Results:
         """The per-token results at their positions."""
         alpha, correct, per_depth, agreement = (
             layout.to_positions(x, dim=1) if x is not None else None
-            for x in (self.alpha, self.correct if with_labels else None, self.per_depth,
-                      self.agreement if metrics else None)
+            for x in (
+                self.alpha,
+                self.correct if with_labels else None,
+                self.per_depth,
+                self.agreement if metrics else None,
+            )
         )
         return TVLossResult(self.loss, alpha, correct, per_depth, agreement)
 
 
-def _reduce(sums, label_logits, stats, chunk: Chunk, want_dot: bool, want_kl: bool, group) -> _RowSums:
+def _reduce(
+    sums, label_logits, stats, chunk: Chunk, want_dot: bool, want_kl: bool, group
+) -> _RowSums:
     """All-reduce this shard's per-row sums (one collective for every depth and sum)."""
     columns = []
     if sums:
@@ -278,10 +370,17 @@ def _reduce(sums, label_logits, stats, chunk: Chunk, want_dot: bool, want_kl: bo
             columns.append(torch.stack([x.kl for x in sums]))
     if label_logits is not None:
         # The label's logit (0 off its shard) is the row's max iff it is the greedy draft.
-        columns.append(torch.stack([
-            ((label_logits.value[k] >= stats.max[chunk.draft_rows(k)]) & (label_logits.local_index[k] >= 0)).float()
-            for k in range(chunk.depths)
-        ]))
+        columns.append(
+            torch.stack(
+                [
+                    (
+                        (label_logits.value[k] >= stats.max[chunk.draft_rows(k)])
+                        & (label_logits.local_index[k] >= 0)
+                    ).float()
+                    for k in range(chunk.depths)
+                ]
+            )
+        )
         columns.append(label_logits.value)
     reduced = list(all_reduce_sum_(torch.stack(columns), group))  # [c, G, n]
     alpha = reduced.pop(0) if sums else None
@@ -297,7 +396,11 @@ def _reduce(sums, label_logits, stats, chunk: Chunk, want_dot: bool, want_kl: bo
 
 def _row_coefficients(loss_fn: DraftLoss, w: torch.Tensor, scale: torch.Tensor):
     def coefficients(block, overlap):
-        return tuple(c * scale if c is not None else None for c in loss_fn.row_coefficients(overlap, w[block]))
+        return tuple(
+            c * scale if c is not None else None
+            for c in loss_fn.row_coefficients(overlap, w[block])
+        )
+
     return coefficients
 
 
@@ -319,7 +422,9 @@ def _chain_rule_(g: torch.Tensor, raw: torch.Tensor, chunk: Chunk, logits_fn) ->
         g[k * n : (k + 1) * n].copy_(chained)
 
 
-def _input_grad_into(products, g: torch.Tensor, out: torch.Tensor, chunk: Chunk, scratch: Scratch) -> None:
+def _input_grad_into(
+    products, g: torch.Tensor, out: torch.Tensor, chunk: Chunk, scratch: Scratch
+) -> None:
     """``g @ W`` of the chunk's rows for ``out``'s depths (``[d, s, b, h]``), at their positions."""
     d, _, b, h = out.shape
     if d == 1 and chunk.layout.identity:  # rows are positions: straight into the gradient
@@ -342,12 +447,15 @@ def _target_hidden_rows(target_hidden: torch.Tensor, run) -> torch.Tensor:
         return _positions(target_hidden, run)
     halo = run.segment.halo
     if halo is None:
-        return target_hidden.new_zeros(((run.hi - run.lo) * target_hidden.shape[1], target_hidden.shape[2]))
+        return target_hidden.new_zeros(
+            ((run.hi - run.lo) * target_hidden.shape[1], target_hidden.shape[2])
+        )
     return halo[run.halo_rows].to(target_hidden.dtype).reshape(-1, target_hidden.shape[2])
 
 
-def _target_logit_rows(target_logits, chunk: Chunk, products, scratch: Scratch, out,
-                       defer_first: bool = False) -> Optional[torch.Tensor]:
+def _target_logit_rows(
+    target_logits, chunk: Chunk, products, scratch: Scratch, out, defer_first: bool = False
+) -> Optional[torch.Tensor]:
     """The chunk's target logits into ``out``: positions' read from ``target_logits``, halo rows
     projected in one product. ``defer_first``: a first run of positions is returned, not copied
     (read in place)."""
@@ -366,7 +474,9 @@ def _target_logit_rows(target_logits, chunk: Chunk, products, scratch: Scratch, 
         else:
             halos.append((run, rows))
     if halos:
-        hidden = torch.cat([run.segment.halo[run.halo_rows].reshape(rows.shape[0], -1) for run, rows in halos])
+        hidden = torch.cat(
+            [run.segment.halo[run.halo_rows].reshape(rows.shape[0], -1) for run, rows in halos]
+        )
         logits = scratch.take('halo_logits', (hidden.shape[0], V), out.dtype, out.device)
         products.logits(hidden.to(products.weight.dtype), logits)
         if target_logits.dtype != torch.float32:  # as the main head's own logits
@@ -389,8 +499,10 @@ def _label_logits(z: torch.Tensor, chunk: Chunk, labels: torch.Tensor, vocab) ->
     chunk_labels = labels[:, chunk.span].reshape(chunk.depths, chunk.tokens)
     in_shard = (chunk_labels >= start) & (chunk_labels < stop)
     local = torch.where(in_shard, chunk_labels - start, torch.full_like(chunk_labels, -1))
-    picked = torch.stack([
-        z[chunk.draft_rows(k)].detach().gather(1, local[k].clamp(min=0).unsqueeze(1)).squeeze(1)
-        for k in range(chunk.depths)
-    ])
+    picked = torch.stack(
+        [
+            z[chunk.draft_rows(k)].detach().gather(1, local[k].clamp(min=0).unsqueeze(1)).squeeze(1)
+            for k in range(chunk.depths)
+        ]
+    )
     return _LabelLogits(torch.where(in_shard, picked, torch.zeros_like(picked)), local)

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
 """The training side: Megatron's parsed arguments onto the configs of the models it built.
 
 A Megatron-Bridge provider is not built by ``core_transformer_config_from_args``: it takes the MTP
@@ -9,8 +11,12 @@ the run (docs/megatron_bridge.md). Patches install this module as
 import sys
 from typing import Dict, Iterable
 
-from .config import MTP_LOSS_FIELDS, extra_logit_projections, is_cross_entropy
-from .config import validate_mtp_loss_config
+from .config import (
+    MTP_LOSS_FIELDS,
+    extra_logit_projections,
+    is_cross_entropy,
+    validate_mtp_loss_config,
+)
 
 
 def _defaults() -> Dict[str, object]:

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
 """Triton kernels of :mod:`.row_ops`: one program per row over vocabulary tiles, in fp32."""
 
 from typing import Optional
@@ -34,7 +36,9 @@ def _row_stats_kernel(z_ptr, stride, out_ptr, V, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _pair_sums_kernel(zt_ptr, st, lse_t_ptr, zq_ptr, sq, lse_q_ptr, out_ptr, V, BLOCK: tl.constexpr):
+def _pair_sums_kernel(
+    zt_ptr, st, lse_t_ptr, zq_ptr, sq, lse_q_ptr, out_ptr, V, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     lse_t = tl.load(lse_t_ptr + row)
@@ -89,19 +93,34 @@ def row_stats(z: torch.Tensor, with_argmax: bool = False):
 
 
 def pair_sums(zt, lse_t, zq, lse_q):
-    """``(sum_v min(p, q), sum_v q_v 1[q_v < p_v], sum_v p log(p / q))`` per row, this shard only."""
+    """``(sum_v min(p, q), sum_v q_v 1[q_v < p_v], sum_v p log(p / q))`` per row, this shard
+    only."""
     n, V = zq.shape
     out = torch.empty(n, 3, dtype=torch.float32, device=zq.device)
     if n:
         _pair_sums_kernel[(n,)](
-            zt, zt.stride(0), lse_t.contiguous(), zq, zq.stride(0), lse_q.contiguous(), out, V,
+            zt,
+            zt.stride(0),
+            lse_t.contiguous(),
+            zq,
+            zq.stride(0),
+            lse_q.contiguous(),
+            out,
+            V,
             BLOCK=_block(V),
         )
     return out[:, 0], out[:, 1], out[:, 2]
 
 
-def grad_(zt, lse_t, zq, lse_q, dot: Optional[torch.Tensor], tv_coef: Optional[torch.Tensor],
-          kl_coef: Optional[torch.Tensor]):
+def grad_(
+    zt,
+    lse_t,
+    zq,
+    lse_q,
+    dot: Optional[torch.Tensor],
+    tv_coef: Optional[torch.Tensor],
+    kl_coef: Optional[torch.Tensor],
+):
     """Overwrite ``zq`` with ``tv * q * (dot - 1[q < p]) + kl * (q - p)``; return it."""
     n, V = zq.shape
     if n:
@@ -111,7 +130,16 @@ def grad_(zt, lse_t, zq, lse_q, dot: Optional[torch.Tensor], tv_coef: Optional[t
             return zeros if x is None else x.float().contiguous()
 
         _grad_kernel[(n,)](
-            zt, zt.stride(0), lse_t.contiguous(), zq, zq.stride(0), lse_q.contiguous(),
-            column(dot), column(tv_coef), column(kl_coef), V, BLOCK=_block(V),
+            zt,
+            zt.stride(0),
+            lse_t.contiguous(),
+            zq,
+            zq.stride(0),
+            lse_q.contiguous(),
+            column(dot),
+            column(tv_coef),
+            column(kl_coef),
+            V,
+            BLOCK=_block(V),
         )
     return zq

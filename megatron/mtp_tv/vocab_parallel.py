@@ -1,3 +1,5 @@
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+
 """Row statistics over a vocabulary sharded across a tensor-parallel group (None: unsharded)."""
 
 from typing import Optional, Tuple
@@ -23,6 +25,7 @@ def group_rank(group: ProcessGroup) -> int:
 
 
 def all_reduce_sum_(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sums ``tensor`` in place over ``group`` (a no-op on one rank); returns it."""
     if group_size(group) > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
@@ -39,7 +42,9 @@ def combine_row_stats(
     world = group_size(group)
     if world == 1:
         return local_max + local_logsum, local_max, local_argmax
-    columns = [local_max, local_logsum] + ([local_argmax.float()] if local_argmax is not None else [])
+    columns = [local_max, local_logsum] + (
+        [local_argmax.float()] if local_argmax is not None else []
+    )
     stats = torch.stack(columns, dim=-1)  # [n, c]
     gathered = stats.new_empty((world * stats.shape[0], stats.shape[1]))
     dist.all_gather_into_tensor(gathered, stats, group=group)

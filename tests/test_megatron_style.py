@@ -1,0 +1,47 @@
+"""What the patches ship into a Megatron tree follows Megatron-LM's own style: its copyright
+header, black and isort with its ``pyproject.toml`` settings, and its ``.pylintrc`` checks (a
+docstring on every public function and class, no unused import, lines within 100 characters,
+no ``print``), at the versions Megatron-LM pins (``tools/megatron_style``)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / 'tools'))
+sys.path.insert(0, str(ROOT))
+
+pytest.importorskip('black', reason="Megatron-LM's black (requirements.txt)")
+pytest.importorskip('isort', reason="Megatron-LM's isort (requirements.txt)")
+
+
+def test_shipped_modules_follow_megatron_style():
+    from patchgen.package import new_files
+
+    from tools.megatron_style import problems
+
+    found = problems(new_files())
+    assert not found, '\n'.join(found)
+
+
+def test_the_check_finds_what_megatron_refuses():
+    """Each kind of problem is found: a missing header, unformatted code, a public function
+    without docstring, a line over 100 characters, an unused import, a print."""
+    from tools.megatron_style import HEADER, problems
+
+    good = f'{HEADER}\n"""A module."""\n\n\ndef f():\n    """A function."""\n    return 1\n'
+    assert problems({'good.py': good}) == []
+    bad = {
+        'header.py': good.replace(HEADER + '\n', ''),
+        'format.py': good.replace('return 1', 'return  1'),
+        'doc.py': good.replace('    """A function."""\n', ''),
+        'long.py': good.replace('return 1', 'return ' + ' + '.join(['1'] * 40)),
+        'unused.py': good.replace('"""A module."""\n', '"""A module."""\n\nimport os\n'),
+        'print.py': good.replace('return 1', 'print(1)'),
+    }
+    found = problems(bad)
+    for name, needle in (('header.py', 'copyright'), ('format.py', 'black'),
+                         ('doc.py', 'C0116'), ('long.py', 'C0301'), ('unused.py', 'W0611'),
+                         ('print.py', 'W0141')):
+        assert any(line.startswith(name) and needle in line for line in found), (name, found)
