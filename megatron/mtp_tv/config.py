@@ -28,9 +28,7 @@ def is_cross_entropy(loss_type: str) -> bool:
 
 def runs_megatron_ce(config) -> bool:
     """Whether Megatron's own code computes the MTP loss: ``'ce'`` without ``mtp_ce_chunked``."""
-    return is_cross_entropy(getattr(config, 'mtp_loss_type', 'ce')) and not getattr(
-        config, 'mtp_ce_chunked', False
-    )
+    return is_cross_entropy(config.mtp_loss_type) and not config.mtp_ce_chunked
 
 
 def extra_logit_projections(config, main_logits_passed: bool) -> int:
@@ -103,28 +101,25 @@ def check_choice(name: str, value, choices) -> None:
 def validate_mtp_loss_config(config) -> None:
     """Raises ValueError, naming the value and what is allowed, for bad MTP loss fields of
     ``config``; runs in ``TransformerConfig.__post_init__`` and again at every MTP loss."""
-    check_choice('mtp_loss_type', getattr(config, 'mtp_loss_type', 'ce'), MTP_LOSS_TYPES)
-    check_choice('mtp_tv_kernels', getattr(config, 'mtp_tv_kernels', 'auto'), ROW_KERNELS)
+    check_choice('mtp_loss_type', config.mtp_loss_type, MTP_LOSS_TYPES)
+    check_choice('mtp_tv_kernels', config.mtp_tv_kernels, ROW_KERNELS)
     for field, kind in _FIELD_KINDS.items():
-        if hasattr(config, field):
-            check_setting(field, getattr(config, field), kind)
+        check_setting(field, getattr(config, field), kind)
     for loss in LOSSES.values():  # each loss checks its own hyper-parameters
         for arg, field in loss.config_fields.items():
-            if hasattr(config, field):
-                try:
-                    loss(**{arg: getattr(config, field)})
-                except ValueError as error:
-                    raise ValueError(
-                        f"{field}={getattr(config, field)!r} is invalid; {error}"
-                    ) from None
+            value = getattr(config, field)
+            try:
+                loss(**{arg: value})
+            except ValueError as error:
+                raise ValueError(f"{field}={value!r} is invalid; {error}") from None
     _check_combination(config)
 
 
 def _check_combination(config) -> None:
-    loss_type = getattr(config, 'mtp_loss_type', 'ce')
-    temperature = getattr(config, 'mtp_tv_temperature', 1.0)
+    loss_type = config.mtp_loss_type
+    temperature = config.mtp_tv_temperature
     num_layers = getattr(config, 'mtp_num_layers', None)
-    chunked = getattr(config, 'mtp_ce_chunked', False)
+    chunked = config.mtp_ce_chunked
     if chunked and not is_cross_entropy(loss_type):
         raise ValueError(
             f"mtp_ce_chunked=True computes mtp_loss_type='ce' in chunks, but mtp_loss_type="
@@ -197,10 +192,9 @@ class MTPLossOptions:
         return cls(
             loss,
             chunk_size=config.mtp_tv_chunk,
-            temperature=getattr(config, 'mtp_tv_temperature', 1.0),
-            kernels=getattr(config, 'mtp_tv_kernels', 'auto'),
-            metrics=bool(metrics)
-            and (loss.needs_target or bool(getattr(config, 'mtp_log_acceptance', False))),
+            temperature=config.mtp_tv_temperature,
+            kernels=config.mtp_tv_kernels,
+            metrics=bool(metrics) and (loss.needs_target or bool(config.mtp_log_acceptance)),
         )
 
 
@@ -208,6 +202,6 @@ def draft_objective(config, metrics_only: bool = False) -> DraftLoss:
     """The config's loss; for ``'ce'``: cross-entropy if chunked, else ``'tv'`` (metrics pass)."""
     if not is_cross_entropy(config.mtp_loss_type):
         return loss_from_config(config)
-    if getattr(config, 'mtp_ce_chunked', False) and not metrics_only:
+    if config.mtp_ce_chunked and not metrics_only:
         return CrossEntropy()
     return loss_from_config(config, 'tv')

@@ -180,6 +180,4 @@ def loss_from_config(config, loss_type: Optional[str] = None) -> DraftLoss:
     loss_type = loss_type or config.mtp_loss_type
     cls = LOSSES.get(loss_type)
     fields = cls.config_fields.items() if cls is not None else ()
-    return make_loss(
-        loss_type, **{arg: getattr(config, f) for arg, f in fields if hasattr(config, f)}
-    )
+    return make_loss(loss_type, **{arg: getattr(config, f) for arg, f in fields})

@@ -92,7 +92,7 @@ def process_mtp_tv_loss(
         ``'ce'`` computes it (the acceptance metrics logged first with ``mtp_log_acceptance``).
     """
     metrics_only = runs_megatron_ce(config)
-    if metrics_only and not (is_training and getattr(config, 'mtp_log_acceptance', False)):
+    if metrics_only and not (is_training and config.mtp_log_acceptance):
         return None
     main_hidden, draft_hidden = split_mtp_hidden_states(hidden_states, config)
     with torch.no_grad() if metrics_only else contextlib.nullcontext():
