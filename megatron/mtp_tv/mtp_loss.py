@@ -4,7 +4,8 @@
 
 import contextlib
 import inspect
-from typing import Callable, List, NamedTuple, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -64,6 +65,32 @@ def _cp_layout(packed_seq_params, cp_group, loss_type: str) -> str:
     return layout
 
 
+@dataclass(frozen=True)
+class MTPLossInputs:
+    """What the MTP loss reads besides the hidden states: ``process_mtp_loss``'s arguments less
+    the two that build full logits (``runtime_gather_output``, ``compute_language_model_loss``:
+    the sweep never does). Tensors: ``labels``, ``loss_mask`` and ``input_ids`` ``[b, s]``."""
+
+    labels: Optional[Tensor]
+    loss_mask: Optional[Tensor]
+    output_layer: Callable
+    output_weight: Optional[Tensor]
+    is_training: bool
+    config: Any
+    cp_group: Any = None
+    tp_group: Any = None
+    packed_seq_params: Any = None
+    scale_logits_fn: Optional[Callable[[Tensor], Tensor]] = None
+    input_ids: Optional[Tensor] = None
+    sequence_roll_context: Any = None
+
+    @classmethod
+    def from_process_mtp_loss_kwargs(cls, kwargs: Dict[str, Any]) -> 'MTPLossInputs':
+        """The inputs of ``process_mtp_loss``'s keyword arguments (all but ``hidden_states``)."""
+        unused = ('runtime_gather_output', 'compute_language_model_loss')
+        return cls(**{name: value for name, value in kwargs.items() if name not in unused})
+
+
 def process_mtp_tv_loss(
     hidden_states: Tensor,
     labels: Tensor,
@@ -95,25 +122,22 @@ def process_mtp_tv_loss(
     if metrics_only and not (is_training and config.mtp_log_acceptance):
         return None
     main_hidden, draft_hidden = split_mtp_hidden_states(hidden_states, config)
+    inputs = MTPLossInputs(
+        labels=labels,
+        loss_mask=loss_mask,
+        output_layer=output_layer,
+        output_weight=output_weight,
+        is_training=is_training,
+        config=config,
+        cp_group=cp_group,
+        tp_group=tp_group,
+        packed_seq_params=packed_seq_params,
+        scale_logits_fn=scale_logits_fn,
+        input_ids=input_ids,
+        sequence_roll_context=sequence_roll_context,
+    )
     with torch.no_grad() if metrics_only else contextlib.nullcontext():
-        loss = _mtp_tv_loss(
-            main_hidden,
-            draft_hidden,
-            None,
-            labels=labels,
-            loss_mask=loss_mask,
-            output_layer=output_layer,
-            output_weight=output_weight,
-            is_training=is_training,
-            config=config,
-            cp_group=cp_group,
-            tp_group=tp_group,
-            packed_seq_params=packed_seq_params,
-            scale_logits_fn=scale_logits_fn,
-            input_ids=input_ids,
-            sequence_roll_context=sequence_roll_context,
-            metrics_only=metrics_only,
-        )
+        loss = _mtp_tv_loss(main_hidden, draft_hidden, None, inputs, metrics_only)
     if metrics_only:
         return None
     return main_hidden if loss is None else _mtp.MTPLossAutoScaler.apply(main_hidden, loss)
@@ -131,7 +155,8 @@ def attach_mtp_tv_loss(
         **process_mtp_loss_kwargs: ``process_mtp_loss``'s other arguments (all but
             ``hidden_states``), as ``GPTModel._postprocess`` passes them.
     """
-    loss = _mtp_tv_loss(main_hidden, draft_hidden, main_logits.detach(), **process_mtp_loss_kwargs)
+    inputs = MTPLossInputs.from_process_mtp_loss_kwargs(process_mtp_loss_kwargs)
+    loss = _mtp_tv_loss(main_hidden, draft_hidden, main_logits.detach(), inputs)
     if loss is None or not (torch.is_grad_enabled() and loss.requires_grad):
         return main_logits
     return _AttachMTPLoss.apply(main_logits, loss)
@@ -175,41 +200,42 @@ class _AttachMTPLoss(torch.autograd.Function):
 
 
 def _mtp_tv_loss(
-    main_hidden,
-    draft_hidden,
-    main_logits,
-    *,
-    labels,
-    loss_mask,
-    output_layer,
-    output_weight,
-    is_training,
-    config,
-    cp_group=None,
-    tp_group=None,
-    packed_seq_params=None,
-    scale_logits_fn=None,
-    input_ids=None,
-    sequence_roll_context=None,
-    metrics_only=False,
-    runtime_gather_output=None,
-    compute_language_model_loss=None,
+    main_hidden: Tensor,
+    draft_hidden: Tensor,
+    main_logits: Optional[Tensor],
+    inputs: MTPLossInputs,
+    metrics_only: bool = False,
 ) -> Optional[Tensor]:
-    """The scalar MTP loss, its metrics logged; None without labels and input ids (the last two
-    arguments, ``process_mtp_loss``'s, go unused: the sweep never builds full logits)."""
+    """The scalar MTP loss, its metrics logged; None without labels and input ids.
+
+    Args:
+        main_hidden: ``[s, b, h]``; draft_hidden: ``[D*s, b, h]``.
+        main_logits: ``[s, b, V/tp]`` the detached target, or None: projected from
+            ``main_hidden``.
+        metrics_only: Megatron's own ``'ce'`` computes the loss; only the metrics are logged.
+    """
+    config = inputs.config
+    cp_group, packed_seq_params = inputs.cp_group, inputs.packed_seq_params
     validate_mtp_loss_config(config)  # per call: fields may be assigned after construction
-    options = MTPLossOptions.from_config(config, metrics=is_training, metrics_only=metrics_only)
+    options = MTPLossOptions.from_config(
+        config, metrics=inputs.is_training, metrics_only=metrics_only
+    )
     depth = config.mtp_num_layers
     cp_layout = _cp_layout(packed_seq_params, cp_group, config.mtp_loss_type)
 
     def roll(t, field, roll_depth):
-        return _roll_once(t, cp_group, packed_seq_params, sequence_roll_context, field, roll_depth)
+        return _roll_once(
+            t, cp_group, packed_seq_params, inputs.sequence_roll_context, field, roll_depth
+        )
 
-    rolled = _roll_per_depth(labels, input_ids, loss_mask, depth, roll)
+    rolled = _roll_per_depth(inputs.labels, inputs.input_ids, inputs.loss_mask, depth, roll)
     if rolled is None:
         return None
-    tp_group = tp_group if tp_group is not None else getattr(output_layer, 'tp_group', None)
-    weight = _output_weight(output_layer, output_weight, config)
+    output_layer = inputs.output_layer
+    tp_group = inputs.tp_group
+    if tp_group is None:
+        tp_group = getattr(output_layer, 'tp_group', None)
+    weight = _output_weight(output_layer, inputs.output_weight, config)
     fuse_weight_grad = _fuses_weight_grad(output_layer, weight, config.mtp_loss_type)
     draft, target = _vocab_parallel_layout(
         draft_hidden,
@@ -220,9 +246,8 @@ def _mtp_tv_loss(
         # the own projection's rows, and the context-parallel halos (another rank's rows)
         needs_target=options.with_target and (main_logits is None or group_size(cp_group) > 1),
     )
-    target = (
-        target if options.with_target else None
-    )  # cross-entropy without metrics: no target rows
+    if not options.with_target:  # cross-entropy without metrics: no target rows
+        target = None
     # Under zigzag CP the packed bounds place the halos: this function's one host sync.
     segments = [TargetSegment(0, draft.shape[1])]
     if target is not None and group_size(cp_group) > 1:
@@ -231,6 +256,7 @@ def _mtp_tv_loss(
         segments = target_segments(target, depth, cp_group, cu_seqlens, cp_layout)
     if main_logits is not None:
         main_logits = _local_vocab_shard(main_logits, weight.shape[0], tp_group)
+    with_labels = inputs.is_training or options.loss.needs_labels
     result = linear_tv_loss(
         draft,
         target if main_logits is None else None,
@@ -238,17 +264,13 @@ def _mtp_tv_loss(
         _token_weights(options.loss, rolled, config),
         options,
         tp_group=tp_group,
-        logits_fn=scale_logits_fn,
+        logits_fn=inputs.scale_logits_fn,
         segments=segments,
-        labels=(
-            torch.stack(rolled.labels).transpose(1, 2)
-            if is_training or options.loss.needs_labels
-            else None
-        ),
+        labels=torch.stack(rolled.labels).transpose(1, 2) if with_labels else None,
         target_logits=main_logits if options.with_target else None,
         fuse_weight_grad=fuse_weight_grad,
     )
-    if is_training:
+    if inputs.is_training:
         save_acceptance_to_tracker(
             result,
             rolled.masks.transpose(1, 2),
