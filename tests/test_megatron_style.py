@@ -45,3 +45,16 @@ def test_the_check_finds_what_megatron_refuses():
                          ('doc.py', 'C0116'), ('long.py', 'C0301'), ('unused.py', 'W0611'),
                          ('print.py', 'W0141')):
         assert any(line.startswith(name) and needle in line for line in found), (name, found)
+
+
+def test_shipped_modules_point_to_nothing_the_patch_does_not_ship():
+    """A patched tree has no ``docs/`` of this project and no plugin: the shipped modules name
+    neither (a reader of the tree could not follow them)."""
+    import re
+
+    from patchgen.package import new_files
+
+    pattern = re.compile(r'docs/\w+\.md|\bfields\.py\b|\binstall\(\)|\bplugin\b')
+    found = [f'{path}:{i}: {line.strip()}' for path, text in new_files().items()
+             for i, line in enumerate(text.split('\n'), 1) if pattern.search(line)]
+    assert not found, '\n'.join(found)

@@ -1,7 +1,7 @@
 # Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
 
 """Where each MTP depth's target rows are: segments of positions under context parallelism and
-packing, and the rows the sweep chunks (docs/context_parallel.md)."""
+packing, and the rows the sweep chunks."""
 
 import bisect
 from dataclasses import dataclass

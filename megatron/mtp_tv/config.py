@@ -3,8 +3,8 @@
 """The MTP loss settings (imports no Megatron): the validation of the fields of
 ``TransformerConfig``, and :class:`MTPLossOptions`, what one call of the loss computes.
 
-The fields themselves are in fields.py (the plugin adds them at install()); a patch writes them
-into ``TransformerConfig`` itself.
+The fields themselves are declared on ``TransformerConfig``; its ``__post_init__`` calls
+:func:`validate_mtp_loss_config`.
 """
 
 import math

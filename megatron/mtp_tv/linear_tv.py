@@ -1,6 +1,6 @@
 # Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
 
-"""The entry point of every draft loss, :func:`linear_tv_loss` (docs/implementation.md)."""
+"""The entry point of every draft loss, :func:`linear_tv_loss`."""
 
 from typing import Callable, List, Optional, Sequence
 
@@ -20,7 +20,10 @@ AUTO_CHUNK_WEIGHT_GRADS = 2
 def auto_chunk_tokens(
     num_tokens: int, depths: int, hidden: int, vocab_local: int, target_rows: bool = True
 ) -> int:
-    """The chunk, in tokens, for ``chunk_size=0`` (the rule: docs/implementation.md)."""
+    """The chunk, in tokens, for ``chunk_size=0``: its ``depths + 1`` rows per token hold as
+    many fp32 logits as :data:`AUTO_CHUNK_WEIGHT_GRADS` weight gradients ``[V/tp, h]`` (at
+    least :data:`AUTO_CHUNK_MIN_BYTES`), and at most half of the logits cross-entropy builds
+    for all depths (so the chunk never costs more memory than the loss it replaces)."""
     budget_rows = max(
         AUTO_CHUNK_WEIGHT_GRADS * hidden, AUTO_CHUNK_MIN_BYTES // (4 * max(1, vocab_local))
     )

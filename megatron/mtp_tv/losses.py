@@ -1,6 +1,6 @@
 # Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
 
-"""The draft objectives, one class each, and their registry :data:`LOSSES` (docs/losses.md)."""
+"""The draft objectives, one class each, and their registry :data:`LOSSES`."""
 
 from typing import ClassVar, Dict, NamedTuple, Optional, Tuple, Type
 

@@ -1,6 +1,6 @@
 # Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
 
-"""Acceptance metrics in Megatron's MTP tracker, next to ``mtp_{i} loss`` (docs/metrics.md)."""
+"""Acceptance metrics in Megatron's MTP tracker, next to ``mtp_{i} loss``."""
 
 from typing import Dict
 

@@ -1,6 +1,6 @@
 # Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
 
-"""Megatron glue: the MTP losses behind ``process_mtp_loss`` (docs/main_logits.md)."""
+"""Megatron glue: the MTP losses behind ``process_mtp_loss``."""
 
 import contextlib
 import inspect
@@ -170,7 +170,7 @@ def split_mtp_hidden_states(hidden_states: Tensor, config) -> Tuple[Tensor, Tens
 
 
 def mtp_loss_follows_main_logits(model, output_processor=None) -> bool:
-    """Whether ``model._postprocess`` runs the MTP loss on its main logits (docs/main_logits.md)."""
+    """Whether ``model._postprocess`` runs the MTP loss on its main logits."""
     config = model.config
     if not config.mtp_num_layers or runs_megatron_ce(config) or output_processor is not None:
         return False

@@ -1,6 +1,6 @@
 # Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
 
-"""The sweep's matrix products, accumulating in fp32 for any weight dtype (docs/precision.md)."""
+"""The sweep's matrix products, accumulating in fp32 for any weight dtype."""
 
 import math
 import warnings

@@ -13,7 +13,7 @@ from .vocab_parallel import ProcessGroup, combine_row_stats, group_size
 RowKernels = Literal['auto', 'torch', 'triton']
 ROW_KERNELS = get_args(RowKernels)
 
-#: Smallest normal fp32: KL's logarithm clamps probabilities to it (docs/losses.md).
+#: Smallest normal fp32: KL's logarithm clamps probabilities to it.
 _TINY = torch.finfo(torch.float32).tiny
 
 
@@ -58,7 +58,7 @@ ARGMAX_GROUP = 256
 
 def row_max_argmax(z: torch.Tensor, out_max: torch.Tensor, out_argmax: torch.Tensor) -> None:
     """Row max and first maximal index of ``z [r, V]``, as ``torch.max(z, -1)``, through group
-    maxima (faster on a CPU; docs/implementation.md)."""
+    maxima (faster on a CPU)."""
     r, V = z.shape
     body = V - V % ARGMAX_GROUP
     if body < 2 * ARGMAX_GROUP:
@@ -79,11 +79,11 @@ def row_max_argmax(z: torch.Tensor, out_max: torch.Tensor, out_argmax: torch.Ten
 
 class TorchRowOps:
     """Torch passes over row blocks, probabilities in place of the logits: the CPU path and the
-    test oracle (why it is shaped so: docs/implementation.md, The torch row passes)."""
+    test oracle."""
 
     name = 'torch'
 
-    #: Values per row block on a CPU (measured: docs/benchmarks.md, The row passes).
+    #: Values per row block on a CPU (the fastest measured).
     BLOCK_ELEMENTS = 1 << 20
 
     MIN_BLOCKS = 8
@@ -121,7 +121,7 @@ class TorchRowOps:
                 row_max_argmax(xb, mb, local_argmax[rows])
             torch.sub(xb, mb.unsqueeze(-1), out=zb).exp_()
             torch.sum(zb, dim=-1, out=sb)
-            if single_shard:  # divide in cache; not torch.softmax (docs/implementation.md)
+            if single_shard:  # divide in cache; not torch.softmax
                 zb.div_(sb.unsqueeze(-1))
         local_logsum.log_()
         if local_argmax is not None:

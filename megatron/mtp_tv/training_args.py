@@ -4,7 +4,7 @@
 
 A Megatron-Bridge provider is not built by ``core_transformer_config_from_args``: it takes the MTP
 loss fields the arguments ask for here, and any other config that holds a different value stops
-the run (docs/megatron_bridge.md). Patches install this module as
+the run. Patches install this module as
 ``megatron/training/mtp_tv_args.py``.
 """
 
