@@ -84,8 +84,8 @@ def test_sweep_with_a_logit_function_and_the_metrics_from_a_target():
 
     x, w = draft.clone().requires_grad_(), weight.clone().requires_grad_()
     out = linear_tv_loss(x, target, w, token_weights,
-                         MTPLossOptions(CrossEntropy(), chunk_size=3, metrics=True),
-                         logits_fn=logits_fn, labels=labels)
+                         MTPLossOptions(CrossEntropy(), chunk_size=3, metrics=True,
+                                        logits_fn=logits_fn), labels=labels)
     out.loss.backward()
     x64, w64 = draft.double().requires_grad_(), weight.double().requires_grad_()
     _reference_ce(x64, w64, labels, token_weights.double(), logits_fn).backward()
@@ -93,7 +93,7 @@ def test_sweep_with_a_logit_function_and_the_metrics_from_a_target():
     torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-7)
     # The acceptance of the same chunks, against the target: what 'tv' reports for them.
     tv = linear_tv_loss(draft, target, weight, token_weights,
-                        MTPLossOptions('tv', chunk_size=3, metrics=True), logits_fn=logits_fn,
+                        MTPLossOptions('tv', chunk_size=3, metrics=True, logits_fn=logits_fn),
                         labels=labels)
     assert torch.equal(out.alpha, tv.alpha) and torch.equal(out.greedy_agreement, tv.greedy_agreement)
 

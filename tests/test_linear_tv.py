@@ -128,7 +128,7 @@ def test_logits_fn_chain_rule():
     draft, target, weight, masks = _inputs(2)
     fn = lambda z: 0.37 * z  # noqa: E731  (MuP-style output scaling)
     out = linear_tv_loss(draft, target, weight, token_weights('tv', masks),
-                         MTPLossOptions('tv', chunk_size=3), logits_fn=fn)
+                         MTPLossOptions('tv', chunk_size=3, logits_fn=fn))
     out.loss.backward()
     got = weight.grad.clone()
     weight.grad = draft.grad = None
@@ -145,7 +145,7 @@ def test_logits_fn_returning_its_input_matches_no_logits_fn():
     for fn in (None, lambda z: z):
         draft, target, weight, masks = _inputs(2, dtype=torch.float32)
         out = linear_tv_loss(draft, target, weight, token_weights('e2e_tv', masks),
-                             MTPLossOptions('e2e_tv', chunk_size=3), logits_fn=fn)
+                             MTPLossOptions('e2e_tv', chunk_size=3, logits_fn=fn))
         out.loss.backward()
         results.append((out.loss, draft.grad, weight.grad))
     for plain, through_fn in zip(*results):

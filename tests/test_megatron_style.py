@@ -58,3 +58,25 @@ def test_shipped_modules_point_to_nothing_the_patch_does_not_ship():
     found = [f'{path}:{i}: {line.strip()}' for path, text in new_files().items()
              for i, line in enumerate(text.split('\n'), 1) if pattern.search(line)]
     assert not found, '\n'.join(found)
+
+
+def test_no_shipped_function_takes_over_ten_parameters():
+    """Grouped inputs instead of long signatures; aside: ``process_mtp_tv_loss``, which takes
+    Megatron's ``process_mtp_loss`` arguments as they are, and Triton kernels (pointers,
+    strides and block sizes are their interface)."""
+    import ast
+
+    from patchgen.package import new_files
+
+    mirrors_megatron = {'process_mtp_tv_loss'}
+    long = []
+    for path, text in new_files().items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                count = len(a.posonlyargs + a.args + a.kwonlyargs) - (
+                    1 if a.args and a.args[0].arg in ('self', 'cls', 'ctx') else 0)
+                kernel = any(ast.unparse(d).endswith('jit') for d in node.decorator_list)
+                if count > 10 and node.name not in mirrors_megatron and not kernel:
+                    long.append(f'{path}:{node.lineno}: {node.name} takes {count}')
+    assert not long, '\n'.join(long)

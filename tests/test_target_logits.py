@@ -45,8 +45,8 @@ def test_target_logits_and_stored_logit_grads_match_reference(loss_type, G, chun
     with forced_grad_storage(storage):
         out = linear_tv_loss(
             draft, None if given == 'logits' else target, weight, token_weights(loss_type, masks),
-            MTPLossOptions(loss_type, chunk_size=chunk, temperature=temperature),
-            logits_fn=logits_fn, **kwargs,
+            MTPLossOptions(loss_type, chunk_size=chunk, temperature=temperature,
+                           logits_fn=logits_fn), **kwargs,
         )
     got = _grads(out, draft, weight)
     alpha, kl = depth_terms(target, list(draft), weight, logits_fn=logits_fn, temperature=temperature)

@@ -9,7 +9,9 @@ The fields themselves are declared on ``TransformerConfig``; its ``__post_init__
 
 import math
 from dataclasses import dataclass
-from typing import Union
+from typing import Callable, Optional, Union
+
+from torch import Tensor
 
 from .losses import LOSSES, CrossEntropy, DraftLoss, loss_from_config, make_loss
 from .row_ops import ROW_KERNELS, RowKernels
@@ -148,6 +150,8 @@ class MTPLossOptions:
         temperature: the verification temperature (1 for a loss against the labels).
         kernels: the row kernels, ``'auto'``, ``'torch'`` or ``'triton'``.
         metrics: also compute the greedy agreement of draft and target argmax.
+        logits_fn: an elementwise function the logits go through before the softmax (MuP's
+            scaling), not in place; None: the logits as projected.
     """
 
     loss: Union[DraftLoss, str]
@@ -155,6 +159,7 @@ class MTPLossOptions:
     temperature: float = 1.0
     kernels: RowKernels = 'auto'
     metrics: bool = False
+    logits_fn: Optional[Callable[[Tensor], Tensor]] = None
 
     def __post_init__(self):
         loss = self.loss
@@ -186,7 +191,9 @@ class MTPLossOptions:
         return self.loss.needs_target or self.metrics
 
     @classmethod
-    def from_config(cls, config, metrics: bool, metrics_only: bool = False) -> 'MTPLossOptions':
+    def from_config(
+        cls, config, metrics: bool, metrics_only: bool = False, logits_fn=None
+    ) -> 'MTPLossOptions':
         """The options of a validated config's MTP loss in this pass (training: ``metrics``)."""
         loss = draft_objective(config, metrics_only)
         return cls(
@@ -195,6 +202,7 @@ class MTPLossOptions:
             temperature=config.mtp_tv_temperature,
             kernels=config.mtp_tv_kernels,
             metrics=bool(metrics) and (loss.needs_target or bool(config.mtp_log_acceptance)),
+            logits_fn=logits_fn,
         )
 
 

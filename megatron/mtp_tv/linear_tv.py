@@ -2,7 +2,7 @@
 
 """The entry point of every draft loss, :func:`linear_tv_loss`."""
 
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -55,7 +55,6 @@ def linear_tv_loss(
     token_weights: torch.Tensor,
     options: MTPLossOptions,
     tp_group: ProcessGroup = None,
-    logits_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     segments: Optional[Sequence[TargetSegment]] = None,
     labels: Optional[torch.Tensor] = None,
     target_logits: Optional[torch.Tensor] = None,
@@ -71,7 +70,6 @@ def linear_tv_loss(
         token_weights: ``[G, s, b]`` weights with mask and normalisation (``[s, b]`` per chain).
         options: what it computes (:class:`~.options.MTPLossOptions`).
         tp_group: the group the vocabulary is sharded over (None: not sharded).
-        logits_fn: optional elementwise logit function (e.g. MuP scaling), not in place.
         segments: :class:`TargetSegment` list (default: the whole sequence).
         labels: ``[G, s, b]`` token ids for the greedy accuracy and a loss against labels.
         target_logits: ``[s, b, V/tp]`` main-head logits of ``target_hidden`` (not projected).
@@ -100,7 +98,7 @@ def linear_tv_loss(
         options,
         max(1, tokens // b),
         tp_group,
-        logits_fn,
+        options.logits_fn,
         layout,
         labels,
         target_is_logits=target_logits is not None,

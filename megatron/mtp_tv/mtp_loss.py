@@ -218,7 +218,10 @@ def _mtp_tv_loss(
     cp_group, packed_seq_params = inputs.cp_group, inputs.packed_seq_params
     validate_mtp_loss_config(config)  # per call: fields may be assigned after construction
     options = MTPLossOptions.from_config(
-        config, metrics=inputs.is_training, metrics_only=metrics_only
+        config,
+        metrics=inputs.is_training,
+        metrics_only=metrics_only,
+        logits_fn=inputs.scale_logits_fn,
     )
     depth = config.mtp_num_layers
     cp_layout = _cp_layout(packed_seq_params, cp_group, config.mtp_loss_type)
@@ -264,7 +267,6 @@ def _mtp_tv_loss(
         _token_weights(options.loss, rolled, config),
         options,
         tp_group=tp_group,
-        logits_fn=inputs.scale_logits_fn,
         segments=segments,
         labels=torch.stack(rolled.labels).transpose(1, 2) if with_labels else None,
         target_logits=main_logits if options.with_target else None,
