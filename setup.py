@@ -15,6 +15,18 @@ from setuptools.command.build_py import build_py
 # it here; editable installs run `python -m megatron.mtp_tv.startup_hook install`. The file's
 # one line equals startup_hook.PTH_LINE (tests/test_launch.py checks it).
 PTH = "megatron_mtp_tv.pth"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def pinned(name):
+    """``name==version`` as requirements.txt (the one place versions are pinned) pins it:
+    the plugin is tested with that megatron-core alone, so pip must not pick another."""
+    with open(os.path.join(HERE, "requirements.txt")) as f:
+        for line in f:
+            requirement = line.split("#", 1)[0].strip()
+            if requirement.startswith(name + "=="):
+                return requirement
+    raise RuntimeError(f"requirements.txt pins no {name}")
 
 
 class build_py_with_pth(build_py):
@@ -35,8 +47,9 @@ setup(
     ),
     packages=find_namespace_packages(include=["megatron.mtp_tv", "megatron.mtp_tv.*"]),
     python_requires=">=3.12",
-    # Exact versions live in requirements.txt; here only what the package needs at run time.
-    install_requires=["torch", "megatron-core"],
+    # Exact versions live in requirements.txt; here what the package needs at run time, and the
+    # one megatron-core its plugin supports.
+    install_requires=["torch", pinned("megatron-core")],
     zip_safe=False,
     cmdclass={"build_py": build_py_with_pth},
 )

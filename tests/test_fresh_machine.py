@@ -114,3 +114,18 @@ def test_ci_run_gives_each_run_a_fresh_project_cache(tmp_path):
     assert not Path(cache).exists() and not Path(cache).parent.exists()  # removed after the run
     assert pip_cache == 'unset'  # pip's own download cache is left alone
 
+
+
+def test_setup_pins_the_megatron_core_the_plugin_supports(monkeypatch):
+    """``pip install`` of the package must not pick a megatron-core the plugin was not tested
+    with: setup.py takes the pin from requirements.txt, the one place pins live."""
+    import runpy
+
+    import setuptools
+
+    pin = next(line.split('#')[0].strip() for line in (ROOT / 'requirements.txt').read_text()
+               .splitlines() if line.startswith('megatron-core=='))
+    captured = {}
+    monkeypatch.setattr(setuptools, 'setup', lambda **kwargs: captured.update(kwargs))
+    runpy.run_path(str(ROOT / 'setup.py'))
+    assert pin in captured['install_requires']
