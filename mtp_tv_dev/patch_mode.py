@@ -33,6 +33,8 @@ MODE_ENV = 'MTP_TV_MODE'
 TREE_ENV = 'MTP_TV_TREE'
 NATIVE = 'megatron.core.transformer.mtp_tv'
 TRAINING_MODULE = 'megatron.training.mtp_tv_args'
+#: Package modules a patch installs elsewhere in the tree (tools/patchgen/package.py RELOCATED).
+RELOCATED_MODULES = {'triton_kernels': 'megatron.core.fusions.fused_mtp_tv_rows'}
 
 
 def active() -> bool:
@@ -68,6 +70,12 @@ def activate() -> Path:
         except ImportError:  # an optional backend (e.g. triton) missing: tests skip it anyway
             continue
         sys.modules[f'megatron.mtp_tv.{info.name}'] = module
+    # Modules the patch installs outside the package (tools/patchgen/package.py RELOCATED).
+    for name, tree_module in RELOCATED_MODULES.items():
+        try:
+            sys.modules[f'megatron.mtp_tv.{name}'] = importlib.import_module(tree_module)
+        except ImportError:  # triton missing: its tests skip
+            pass
     # The training side's module the patch installs under megatron/training.
     sys.modules['megatron.mtp_tv.training_args'] = importlib.import_module(TRAINING_MODULE)
     # The plugin's field definitions, which the patch wrote into the tree's TransformerConfig:

@@ -80,3 +80,16 @@ def test_no_shipped_function_takes_over_ten_parameters():
                 if count > 10 and node.name not in mirrors_megatron and not kernel:
                     long.append(f'{path}:{node.lineno}: {node.name} takes {count}')
     assert not long, '\n'.join(long)
+
+
+def test_the_triton_kernels_ship_where_megatron_keeps_fused_kernels():
+    """``megatron/core/fusions/fused_*.py``, and the package imports them from there."""
+    from patchgen.layout import TARGET_PACKAGE
+    from patchgen.package import new_files
+
+    files = new_files()
+    assert 'megatron/core/fusions/fused_mtp_tv_rows.py' in files
+    assert f'{TARGET_PACKAGE}/triton_kernels.py' not in files
+    row_ops = files[f'{TARGET_PACKAGE}/row_ops.py']
+    assert 'from megatron.core.fusions import fused_mtp_tv_rows as triton_kernels' in row_ops
+    assert 'from . import triton_kernels' not in row_ops

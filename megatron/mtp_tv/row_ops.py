@@ -324,6 +324,7 @@ def row_ops_for(logits: torch.Tensor, kernels: RowKernels):
 
 
 def _triton():
+    # Imported on first use: Triton is optional (the torch row ops need none).
     from . import triton_kernels
 
     return triton_kernels

@@ -22,6 +22,10 @@ NOT_SHIPPED = ('fields.py', 'launch.py', 'plugin.py', 'startup_hook.py', 'traini
 #: Package modules of the training side: a patch installs each at the tree path given (nothing
 #: under megatron/core imports them), its relative imports of the package made absolute.
 TRAINING_SIDE = {'training_args.py': TRAINING_MODULE_FILE}
+#: Shipped modules a patch installs outside the package: Megatron keeps its fused kernels under
+#: ``megatron/core/fusions`` as ``fused_*`` modules. The package's relative imports of them are
+#: rewritten to the tree's path (:func:`_relocated_imports`).
+RELOCATED = {'triton_kernels.py': 'megatron/core/fusions/fused_mtp_tv_rows.py'}
 
 
 def shipped_modules() -> Dict[str, str]:
@@ -49,12 +53,30 @@ def _without_plugin_only(text: str, rel: str) -> str:
 def new_files() -> Dict[str, str]:
     """``{path in the patched tree: source}`` of every file a patch creates: the shipped modules
     under the core's package, and the training side's modules."""
-    out = {f'{TARGET_PACKAGE}/{rel}': text for rel, text in shipped_modules().items()}
+    out = {}
+    for rel, text in shipped_modules().items():
+        out[RELOCATED.get(rel, f'{TARGET_PACKAGE}/{rel}')] = _relocated_imports(rel, text)
     for rel, path in TRAINING_SIDE.items():
         text = (PACKAGE_DIR / rel).read_text()
         _check_relocatable(rel, text)
         out[path] = re.sub(r'^from \.(\w+) import', rf'from {TARGET_MODULE}.\1 import', text, flags=re.M)
     return out
+
+
+def _relocated_imports(rel: str, text: str) -> str:
+    """``text`` with its ``from . import <module>`` of each :data:`RELOCATED` module made
+    ``from <its tree package> import <its tree name> as <module>``."""
+    for module_file, tree_path in RELOCATED.items():
+        module = module_file[:-3]
+        package, name = tree_path[:-3].replace('/', '.').rsplit('.', 1)
+        pattern = rf'^(\s*)from \. import {module}$'
+        if rel == module_file:
+            continue
+        text = re.sub(pattern, rf'\1from {package} import {name} as {module}', text, flags=re.M)
+        if re.search(rf'\bfrom \.{module} import|\bfrom \. import .*\b{module}\b', text):
+            raise PatchError(f'megatron/mtp_tv/{rel} imports {module} other than as '
+                             f'`from . import {module}` (the form a patch can relocate)')
+    return text
 
 
 def _check_relocatable(rel: str, text: str) -> None:
