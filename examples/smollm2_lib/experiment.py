@@ -703,17 +703,7 @@ class Experiment:
     def run_cold(self) -> None:
         p = self.preset
 
-        def init():  # fresh heads, before any training
-            sets = self.eval_sets('original', ('validation', 'tf_test', 'tf_continuation',
-                                               'prompts'))
-            model = self.build(p.depths, 'ce', seed=p.seeds[0],
-                               backbone=self.backbones['original'])
-            return {'scenario': 'cold', 'loss': None, 'depths': p.depths,
-                    'validation': self.validation_summary(model, sets.validation),
-                    'final': self.final_eval(model, sets),
-                    'main_model': self.main_model_loss('original', sets.tf_test)}
-
-        self.part('cold_init', {'heads': 'fresh', 'seed': p.seeds[0]}, init)
+        self.cold_init()
         first, *others = p.loss_names()  # 'ce': the official head of the drift scenario
         self.cold_lrs = self.run_losses('cold', p.cold_steps, p.lr_grid, [first])
         if 'drift' in p.scenarios:
@@ -727,6 +717,12 @@ class Experiment:
         at the full budget (and twice it: the plateau), its seeds scored on the test split;
         then the fresh heads scored (``cold_init``)."""
         p = self.preset
+        self.cold_lrs = self.run_losses('cold', p.cold_steps, p.lr_grid, ['ce'])
+        self.cold_init()
+
+    def cold_init(self) -> Dict:
+        """Part ``cold_init``: fresh heads before any training, and the main model, scored."""
+        p = self.preset
 
         def init():
             sets = self.eval_sets('original', ('validation', 'tf_test', 'tf_continuation',
@@ -739,8 +735,7 @@ class Experiment:
                     'final': self.final_eval(model, sets),
                     'main_model': self.main_model_loss('original', sets.tf_test)}
 
-        self.cold_lrs = self.run_losses('cold', p.cold_steps, p.lr_grid, ['ce'])
-        self.part('cold_init', {'heads': 'fresh', 'seed': p.seeds[0]}, init)
+        return self.part('cold_init', {'heads': 'fresh', 'seed': p.seeds[0]}, init)
 
     def run_losses(self, scenario: str, steps: int, grid: Tuple[float, ...],
                    losses: Optional[List[str]] = None) -> Dict[str, float]:

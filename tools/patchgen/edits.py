@@ -10,8 +10,8 @@ import ast
 from typing import Dict, List, Tuple
 
 from .facts import (
-    FLOPS_RETURNS, _find_class, _find_function, _flops_tokens, _inline_if, _postprocess,
-    derive_facts, flops_function, flops_returns, main_logits_projections, process_mtp_loss_call,
+    FLOPS_RETURNS, _find_class, _find_function, _inline_if, _postprocess,
+    derive_facts, flops_function, flops_returns, flops_tokens, main_logits_projections, process_mtp_loss_call,
 )
 from .layout import (
     CONFIG_FILE, GPT_FILE, INLINE_CONDITION, MTP_FILE, TRAINING_FILE, PatchError,
@@ -246,7 +246,7 @@ def _edit_flops(ed: Editor, text: str) -> None:
     """``num_floating_point_operations`` adds the MTP loss's projections to both of its counts."""
     fn = flops_function(text)
     ed.insert(_after_docstring(fn), snippet_flops_import())
-    tokens = _flops_tokens(text)
+    tokens = flops_tokens(fn)
     for ret in flops_returns(fn):
         called = ast.unparse(ret.value.func)
         new, removed = snippet_flops_return(called, FLOPS_RETURNS[called], tokens)

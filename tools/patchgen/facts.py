@@ -90,7 +90,7 @@ def derive_facts(files: Dict[str, str]) -> Facts:
             (kw.arg, ast.get_source_segment(files[GPT_FILE], kw.value))
             for kw in process_mtp_loss_call(post).keywords
         ) if post is not None and _inline_if(files[GPT_FILE]) is None else (),
-        flops_tokens=_flops_tokens(files[TRAINING_FILE]) if TRAINING_FILE in files else '',
+        flops_tokens=_checked_flops_tokens(files.get(TRAINING_FILE)),
     )
 
 
@@ -129,9 +129,17 @@ def flops_returns(fn) -> List[ast.Return]:
     return sorted(found, key=lambda r: r.lineno)
 
 
-def _flops_tokens(text: str) -> str:
+def _checked_flops_tokens(text: Optional[str]) -> str:
+    """:func:`flops_tokens` of training.py's source, its returns checked ('' without it)."""
+    if text is None:
+        return ''
     fn = flops_function(text)
     flops_returns(fn)
+    return flops_tokens(fn)
+
+
+def flops_tokens(fn) -> str:
+    """How ``num_floating_point_operations`` (``fn``) counts the global batch's tokens."""
     if 'total_real_tokens_in_batch' in _params(fn):
         return 'total_real_tokens_in_batch'
     return 'batch_size * args.seq_length'
