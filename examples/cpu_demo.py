@@ -221,6 +221,7 @@ def run(args: argparse.Namespace) -> Dict:
     import torch
 
     start_megatron(args.threads)
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     from megatron.mtp_tv.metrics import acceptance_metrics
     from mtp_tv_dev.distributed import single_process
 
@@ -301,7 +302,7 @@ def run(args: argparse.Namespace) -> Dict:
                     curve['mtp_loss'].append(info['mtp'])
                 # The plugin's training-time acceptance on this step's batch (teacher-forced, all
                 # positions): a per-step curve at no extra forward.
-                for key, value in acceptance_metrics().items():
+                for key, value in acceptance_metrics(MTPLossLoggingHelper.tracker).items():
                     curve['plugin_metrics'].setdefault(key, []).append(float(value))
                     since_eval.setdefault(key, []).append(float(value))
                 bar.set_postfix(info, refresh=False)
@@ -357,7 +358,7 @@ def run(args: argparse.Namespace) -> Dict:
                 continue
             temperature = args.serving_temperature if kind == 'serve' else 1.0
             model = M.build_model(spec, overrides('heal', loss, temperature), drifted)
-            acceptance_metrics()  # start the plugin's training-time statistics afresh
+            acceptance_metrics(MTPLossLoggingHelper.tracker)  # start the plugin's training-time statistics afresh
             label = f'heal {loss}' if kind == 'warm' else f'heal {loss} T={temperature:g}'
             train(model, 'heads', heal_batches(), args.steps_heal, args.heal_lr, label,
                   eval_at=eval_at, arm=arm, at_serving=serving)
@@ -370,7 +371,7 @@ def run(args: argparse.Namespace) -> Dict:
         for arm in cold_arms:
             loss = kinds[arm][1]
             model = M.build_model(spec, overrides('cold', loss), cold)
-            acceptance_metrics()
+            acceptance_metrics(MTPLossLoggingHelper.tracker)
             train(model, 'heads', heal_batches(), args.steps_cold, args.cold_lr, f'cold {loss}',
                   eval_at=cold_eval_at, arm=arm)
 

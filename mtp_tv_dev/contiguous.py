@@ -22,6 +22,8 @@ the tree's own functions where it has them (a dev tree), these otherwise.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Callable, List, Optional
@@ -207,19 +209,56 @@ def with_extra_parameter(fn: Callable, name: str) -> Callable:
     return wrapper
 
 
+def _dev_roll(tensor, field, depth, roll_tensor, cp_group, packed_seq_params, roll_context):
+    """The MTP losses' roll (:data:`megatron.mtp_tv.mtp_loss.RollFn`) as dev's
+    ``process_mtp_loss`` rolls: the list form, naming the field and the roll depth."""
+    context = {} if roll_context is None else dict(
+        roll_context=roll_context, sequence_fields=[field], roll_depth=depth)
+    (rolled,) = roll_tensor([tensor], shifts=-1, dims=-1, cp_group=cp_group,
+                            packed_seq_params=packed_seq_params, **context)
+    return rolled, rolled.sum()
+
+
+def dev_mtp_loss_inputs(mtp, sequence_roll_context=None, **process_mtp_loss_kwargs):
+    """dev's ``mtp_loss_inputs``: the tree's own where it takes ``sequence_roll_context``,
+    otherwise the tree's inputs, with :func:`_dev_roll` where a test put dev's list-form
+    ``roll_tensor`` in the module."""
+    if "sequence_roll_context" in inspect.signature(mtp.mtp_loss_inputs).parameters:
+        return mtp.mtp_loss_inputs(**process_mtp_loss_kwargs,
+                                   sequence_roll_context=sequence_roll_context)
+    if "sequence_fields" not in inspect.signature(mtp.roll_tensor).parameters:
+        if sequence_roll_context is not None:
+            raise ValueError("a sequence_roll_context needs dev's list-form roll_tensor")
+        return mtp.mtp_loss_inputs(**process_mtp_loss_kwargs)
+    roll = functools.partial(
+        _dev_roll, roll_tensor=mtp.roll_tensor,
+        cp_group=process_mtp_loss_kwargs.get("cp_group"),
+        packed_seq_params=process_mtp_loss_kwargs.get("packed_seq_params"),
+        roll_context=sequence_roll_context)
+    return dataclasses.replace(mtp.mtp_loss_inputs(**process_mtp_loss_kwargs), roll=roll)
+
+
 def dev_process_mtp_loss(mtp) -> Callable:
     """``process_mtp_loss`` taking ``sequence_roll_context``: the tree's own when it has one (dev,
-    plugin or patch mode); otherwise dev's dispatch around the tree's function (the context
-    reaches only ``process_mtp_tv_loss``, as on dev: Megatron's own CE is not called with it)."""
+    plugin or patch mode); otherwise dev's around the tree's function: the MTP losses roll
+    through the module's (list-form) ``roll_tensor`` with the context, and Megatron's own CE is
+    not called with it, as on dev."""
     if "sequence_roll_context" in inspect.signature(mtp.process_mtp_loss).parameters:
         return mtp.process_mtp_loss
+    from megatron.mtp_tv.config import runs_megatron_ce
     from megatron.mtp_tv.mtp_loss import process_mtp_tv_loss
 
     megatron_process_mtp_loss = inspect.unwrap(mtp.process_mtp_loss)
 
-    def process_mtp_loss(sequence_roll_context=None, **kwargs):
-        out = process_mtp_tv_loss(**kwargs, sequence_roll_context=sequence_roll_context)
-        return megatron_process_mtp_loss(**kwargs) if out is None else out
+    def process_mtp_loss(hidden_states, sequence_roll_context=None, **kwargs):
+        inputs = dev_mtp_loss_inputs(mtp, sequence_roll_context, **kwargs)
+        config = kwargs["config"]
+        if runs_megatron_ce(config):
+            if kwargs["is_training"] and config.mtp_log_acceptance:
+                process_mtp_tv_loss(hidden_states, inputs)
+            return megatron_process_mtp_loss(hidden_states=hidden_states, **kwargs)
+        main, loss = process_mtp_tv_loss(hidden_states, inputs)
+        return main if loss is None else mtp.MTPLossAutoScaler.apply(main, loss)
 
     return process_mtp_loss
 

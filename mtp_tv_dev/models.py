@@ -573,7 +573,12 @@ def mtp_loss_on_main_logits(main_logits, hidden_states, **process_mtp_loss_kwarg
     """What the patched ``GPTModel._postprocess`` does with ``process_mtp_loss``'s arguments:
     split ``hidden_states`` ``[(1+D)s, b, h]``, then the MTP loss against ``main_logits`` attached
     to them (returned)."""
+    from megatron.core.transformer import multi_token_prediction as mtp
     from megatron.mtp_tv.mtp_loss import attach_mtp_tv_loss, split_mtp_hidden_states
 
+    from mtp_tv_dev.contiguous import dev_mtp_loss_inputs
+
     main, drafts = split_mtp_hidden_states(hidden_states, process_mtp_loss_kwargs['config'])
-    return attach_mtp_tv_loss(main_logits, main, drafts, **process_mtp_loss_kwargs)
+    # dev's roll context (contiguous packed CP) where the caller passes one
+    inputs = dev_mtp_loss_inputs(mtp, **process_mtp_loss_kwargs)
+    return attach_mtp_tv_loss(main_logits, main, drafts, inputs, mtp.MTPLossAutoScaler)

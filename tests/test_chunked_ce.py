@@ -152,7 +152,7 @@ def _step(model, chunked, log_acceptance=False):
         ((loss * mask).sum() / mask.sum()).backward()
     tracker = {k: v.clone() for k, v in MTPLossLoggingHelper.tracker.items()
                if k in ('loss_values', 'correct_values', 'total_values')}
-    metrics = {k: float(v) for k, v in acceptance_metrics().items()}
+    metrics = {k: float(v) for k, v in acceptance_metrics(MTPLossLoggingHelper.tracker).items()}
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads, tracker, metrics, seen
 

@@ -223,6 +223,7 @@ def test_demo_forward_matches_gpt_model_forward(megatron_cpu):
     every MTP depth's hidden states), and its teacher-forced expected acceptance equals what the
     plugin's TV loss logs for the same batch (two independent implementations)."""
     import megatron.mtp_tv
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     from megatron.mtp_tv.metrics import acceptance_metrics
     from mtp_tv_dev.models import capture_mtp_hidden_states, forward_loss
 
@@ -266,10 +267,10 @@ def test_demo_forward_matches_gpt_model_forward(megatron_cpu):
     for temperature, mode in ((1.0, 'sampled'), (0.7, 'hot')):
         model.config.mtp_tv_temperature = temperature
         model.train()
-        acceptance_metrics()
+        acceptance_metrics(MTPLossLoggingHelper.tracker)
         with torch.no_grad():
             forward_loss(model, tokens, tokens.roll(-1, 1), torch.ones(3, 20))
-        plugin = acceptance_metrics()
+        plugin = acceptance_metrics(MTPLossLoggingHelper.tracker)
         assert tf[mode]['accepted']['mean'] == pytest.approx(
             float(plugin['mtp_expected_accepted_drafts']), abs=1e-5)
         assert tf['greedy']['accepted']['mean'] == pytest.approx(

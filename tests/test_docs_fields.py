@@ -28,10 +28,10 @@ ASSIGNMENT = re.compile(r'(?<![\w.])(mtp_[a-z][a-z0-9_]*)\s*=\s*([^,)\s]+)')
 FLAG = re.compile(r'(?<![\w-])(--mtp-[a-z0-9-]+)')
 #: ``mtp_*`` words in the docs that are not config fields: modules and packages, the metrics
 #: Megatron's tracker logs, Megatron's and miles' own non-field identifiers the docs quote, and
-#: the variables the patches write into ``GPTModel._postprocess``.
+#: the variables and the function (``mtp_loss_inputs``) the patches write into Megatron's files.
 NOT_FIELDS = {'mtp_tv', 'mtp_tv_dev', 'mtp_loss', 'mtp_block_spec', 'mtp_kwargs', 'mtp_labels',
               'mtp_in_postprocess', 'mtp_on_this_rank', 'mtp_standalone', 'mtp_tv_drafts', 'mtp_tv_kwargs',
-              'mtp_tv_hidden_states', 'mtp_hsm'}  # mtp_hsm: a field of NVIDIA main, not of the megatron-core pinned here
+              'mtp_tv_hidden_states', 'mtp_tv_inputs', 'mtp_loss_inputs', 'mtp_hsm'}  # mtp_hsm: a field of NVIDIA main, not of the megatron-core pinned here
 METRIC = re.compile(r'mtp_(\d+|\{[a-z]\})(_[a-z_]+)?$|mtp_expected_[a-z_]+$')
 
 

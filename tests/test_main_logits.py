@@ -127,10 +127,10 @@ def _process_mtp_loss_kwargs(model, depth):
 
 def test_the_loss_on_the_main_logits_is_the_loss_on_its_own_projection():
     """What the patched _postprocess does (split, project the main head, attach the loss to its
-    logits) gives the gradients of process_mtp_tv_loss, which projects the target itself."""
+    logits) gives the gradients of process_mtp_loss, where the loss projects the target itself."""
+    from megatron.core.transformer import multi_token_prediction as mtp
     from megatron.mtp_tv.mtp_loss import (
-        attach_mtp_tv_loss, mtp_loss_follows_main_logits, process_mtp_tv_loss,
-        split_mtp_hidden_states)
+        attach_mtp_tv_loss, mtp_loss_follows_main_logits, split_mtp_hidden_states)
 
     model = _model('tv', depth=2)
     kwargs = _process_mtp_loss_kwargs(model, 2)
@@ -138,13 +138,14 @@ def test_the_loss_on_the_main_logits_is_the_loss_on_its_own_projection():
     assert mtp_loss_follows_main_logits(model)
     assert not mtp_loss_follows_main_logits(model, output_processor=lambda **_: None)
     with sweep_targets_seen() as seen:
-        process_mtp_tv_loss(hidden_states=hidden, **kwargs).sum().backward()
+        mtp.process_mtp_loss(hidden_states=hidden, **kwargs).sum().backward()
     own = hidden.grad.clone()
     hidden.grad = None
     with sweep_targets_seen() as seen_logits:
         main, drafts = split_mtp_hidden_states(hidden, model.config)
         logits, _ = model.output_layer(main, weight=kwargs['output_weight'])
-        attached = attach_mtp_tv_loss(logits, main, drafts, **kwargs)
+        inputs = mtp.mtp_loss_inputs(**kwargs)
+        attached = attach_mtp_tv_loss(logits, main, drafts, inputs, mtp.MTPLossAutoScaler)
     assert seen == [False] and seen_logits == [True] and attached is logits
     attached.sum().backward()
     assert hidden.grad[2 * SEQ:].abs().sum() > 0  # the MTP loss's gradient reached depth 2
@@ -154,7 +155,8 @@ def test_the_loss_on_the_main_logits_is_the_loss_on_its_own_projection():
     assert torch.equal(own[:SEQ], torch.ones_like(own[:SEQ]))
     torch.testing.assert_close(hidden.grad[:SEQ], main_head, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match='main logits with 63 vocabulary entries'):
-        attach_mtp_tv_loss(torch.zeros(SEQ, BATCH, VOCAB - 1), main, drafts, **kwargs)
+        attach_mtp_tv_loss(torch.zeros(SEQ, BATCH, VOCAB - 1), main, drafts, inputs,
+                           mtp.MTPLossAutoScaler)
 
 
 @pytest.mark.plugin_only

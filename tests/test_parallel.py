@@ -66,7 +66,7 @@ def _model_worker(rank, loss_type, depth, tie, sequence_parallel):
         if sequence_parallel:
             allreduce_sequence_parallel_grads(model)
         logged = MTPLossLoggingHelper.tracker['loss_values'].clone()
-        metrics = {k: float(v) for k, v in acceptance_metrics().items()}
+        metrics = {k: float(v) for k, v in acceptance_metrics(MTPLossLoggingHelper.tracker).items()}
         runs.append((gather_tp_params(model), logged, metrics))
     for module, gather in originals.items():
         module.gather_from_sequence_parallel_region = gather

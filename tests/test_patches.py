@@ -191,9 +191,9 @@ def test_an_already_patched_config_is_refused_whatever_the_field():
 
 
 def test_patched_dispatch_asks_the_package_which_code_computes_the_loss():
-    """Every patch hands the MTP loss to the shipped ``process_mtp_tv_loss``, which returns None
-    where Megatron's own code computes it (``runs_megatron_ce``: both cross-entropy names, unless
-    mtp_ce_chunked), never deciding with a comparison of its own."""
+    """Every patch branches on the loss type with the package's own predicate
+    (``runs_megatron_ce``: both cross-entropy names, unless mtp_ce_chunked), never with a
+    comparison of its own, and hands every other loss to the shipped ``process_mtp_tv_loss``."""
     from megatron.mtp_tv.config import CROSS_ENTROPY_NAMES, runs_megatron_ce
     from megatron.mtp_tv.fields import MTPLossConfig
 
@@ -207,7 +207,8 @@ def test_patched_dispatch_asks_the_package_which_code_computes_the_loss():
                  for line in _section(text, path) if line.startswith('+')]
         code = [line.split('#')[0] for line in added]
         assert any('= process_mtp_tv_loss(' in line for line in code), name
-        assert not any('mtp_loss_type' in line or 'runs_megatron_ce' in line for line in code), name
+        assert any('megatron_ce = runs_megatron_ce(' in line for line in code), name
+        assert not any('mtp_loss_type' in line for line in code), name
 
 
 def _section(text, path):
@@ -222,8 +223,10 @@ def test_every_patch_runs_the_mtp_loss_on_the_main_logits_it_projects(name):
     attaches it right after each main-head projection; the arguments check is in the MTP block."""
     target = targets.TARGETS[name]
     lines = _section(target.patch_path.read_text(), layout.GPT_FILE)
-    i = lines.index(f'+from {layout.TARGET_MODULE}.mtp_loss import (')
+    i = lines.index('+from megatron.core.transformer.multi_token_prediction import '
+                    'MTPLossAutoScaler, mtp_loss_inputs')
     assert lines[i - 1].startswith(' from megatron.core.transformer.'), lines[i - 1]
+    assert f'+from {layout.TARGET_MODULE}.mtp_loss import (' in lines[i:i + 3]
     assert sum(l.startswith('+') and 'mtp_tv_drafts = None' in l for l in lines) == 1
     assert sum(l.startswith('+') and 'mtp_loss_follows_main_logits(self' in l for l in lines) == 1
     attached = [j for j, l in enumerate(lines) if l.endswith('if mtp_tv_drafts is not None:  '
@@ -311,7 +314,8 @@ def test_patched_sources_attach_the_loss_to_the_main_logits_and_check_the_argume
     gpt = ast.parse(patched[layout.GPT_FILE])
     imported = next(n for n in gpt.body if isinstance(n, ast.ImportFrom)
                     and n.module == f'{layout.TARGET_MODULE}.mtp_loss')
-    assert [a.name for a in imported.names] == list(snippets.GPT_IMPORTS)
+    inline = snippets.INLINE_IMPORTS if target.facts.inline_gpt_loss else ()
+    assert [a.name for a in imported.names] == sorted(snippets.GPT_IMPORTS + inline)
     post = _function(gpt, 'GPTModel', '_postprocess')
     assert ast.unparse(post.body[1]) == 'mtp_tv_drafts = None'
     splits = [n for n in ast.walk(post) if isinstance(n, ast.If)
@@ -334,8 +338,11 @@ def test_patched_sources_attach_the_loss_to_the_main_logits_and_check_the_argume
             for statement, after in zip(statements, statements[1:] + [None]):
                 if ast.unparse(statement).startswith('logits, _ = self.output_layer('):
                     text = ast.unparse(after)
-                    assert text.startswith('if mtp_tv_drafts is not None:\n    logits = '
-                                           'attach_mtp_tv_loss(logits, hidden_states, mtp_tv_drafts'), text
+                    assert text.startswith(
+                        'if mtp_tv_drafts is not None:\n'
+                        '    mtp_tv_inputs = mtp_loss_inputs(**mtp_tv_kwargs)\n'
+                        '    logits = attach_mtp_tv_loss(logits, hidden_states, mtp_tv_drafts, '
+                        'mtp_tv_inputs, MTPLossAutoScaler)'), text
                     attached += 1
     assert attached == len(target.facts.main_logits_projections) > 0
     training = ast.parse(patched[layout.TRAINING_FILE])
@@ -353,15 +360,16 @@ def test_a_process_mtp_loss_call_not_one_keyword_per_line_is_refused():
     assert text.count(call) == 1
     changed = text.replace(call, '                hidden_states = process_mtp_loss(hidden_states,')
     with pytest.raises(layout.PatchError, match='one per line'):
-        edits.edit_gpt(changed)
+        edits.edit_gpt(changed, targets.TARGETS['megatron-core-0.19.2'].facts)
 
 
 def test_a_gpt_model_without_postprocess_or_already_patched_is_refused():
     text = sources.files_0192()[layout.GPT_FILE]
+    facts = targets.TARGETS['megatron-core-0.19.2'].facts
     with pytest.raises(layout.PatchError, match='GPTModel has no _postprocess'):
-        edits.edit_gpt(text.replace('    def _postprocess(', '    def _post_process('))
+        edits.edit_gpt(text.replace('    def _postprocess(', '    def _post_process('), facts)
     with pytest.raises(layout.PatchError, match='already patched'):
-        edits.edit_gpt(edits.edit_gpt(text).result())
+        edits.edit_gpt(edits.edit_gpt(text, facts).result(), facts)
 
 
 def test_recorded_facts_the_package_does_not_know_make_the_patch_stale():

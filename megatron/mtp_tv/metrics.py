@@ -2,12 +2,10 @@
 
 """Acceptance metrics in Megatron's MTP tracker, next to ``mtp_{i} loss``."""
 
-from typing import Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
-
-from megatron.core.transformer import multi_token_prediction as _mtp
 
 #: One flat statistics vector per micro-batch: per depth ``[alpha sum, token count, greedy
 #: agreements]``, then ``[sum of expected accepted drafts, of greedy accepted drafts, chains]``.
@@ -20,7 +18,11 @@ def expected_accepted(alpha: torch.Tensor) -> torch.Tensor:
 
 
 def save_acceptance_to_tracker(
-    result, masks: torch.Tensor, avg_group=None, log_loss: bool = True
+    result,
+    masks: torch.Tensor,
+    tracker: Dict[str, Any],
+    record_depth_metrics: Optional[Callable] = None,
+    avg_group=None,
 ) -> None:
     """Adds one training micro-batch's statistics to Megatron's MTP tracker.
 
@@ -28,22 +30,19 @@ def save_acceptance_to_tracker(
         result: its :class:`~.linear_tv.TVLossResult` (``[D, s, b]`` per-token values; greedy
             hits against the labels, and alpha and greedy agreement where it has a target).
         masks: ``[D, s, b]`` loss masks.
-        log_loss: also log each depth's mean objective and greedy accuracy as ``mtp_{k} loss``.
+        tracker: Megatron's ``MTPLossLoggingHelper.tracker``.
+        record_depth_metrics: records each depth's mean objective and greedy hits as
+            ``mtp_{k} loss`` (the tree's tracker method); None: only the acceptance statistics.
+        avg_group: the group the statistics are summed over when logged.
     """
     depth = masks.shape[0]
     masks = masks.float()
     count = masks.sum(dim=(1, 2))
-    if log_loss:
+    if record_depth_metrics is not None:
         loss_mean = (result.per_depth * masks).sum(dim=(1, 2)) / count.clamp(min=1)
         correct = (result.greedy_correct & masks.bool()).sum(dim=(1, 2)).float()
-        helper = _mtp.MTPLossLoggingHelper
         for k in range(depth):
-            if hasattr(helper, 'save_metrics_to_tracker'):
-                helper.save_metrics_to_tracker(
-                    loss_mean[k], correct[k], count[k], k, depth, avg_group=avg_group
-                )
-            else:  # trees without greedy-acceptance logging (radixark miles-main)
-                helper.save_loss_to_tracker(loss_mean[k], k, depth, avg_group=avg_group)
+            record_depth_metrics(loss_mean[k], correct[k], count[k], k, depth, avg_group)
     alpha = result.alpha
     if alpha is None:  # cross-entropy without the acceptance metrics
         return
@@ -63,16 +62,15 @@ def save_acceptance_to_tracker(
             ),
         ]
     )
-    tracker = _mtp.MTPLossLoggingHelper.tracker
     if STATS not in tracker or tracker[STATS].shape != stats.shape:
         tracker[STATS] = torch.zeros_like(stats)
     tracker[STATS] += stats.detach()
     tracker['tv_avg_group'] = avg_group
 
 
-def acceptance_metrics() -> Dict[str, torch.Tensor]:
-    """Reduces and clears the accumulated statistics; returns the metrics by name (or {})."""
-    tracker = _mtp.MTPLossLoggingHelper.tracker
+def acceptance_metrics(tracker: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """Reduces and clears the statistics accumulated in ``tracker`` (Megatron's
+    ``MTPLossLoggingHelper.tracker``); returns the metrics by name (or {})."""
     if STATS not in tracker:
         return {}
     stats = tracker.pop(STATS)
@@ -99,10 +97,10 @@ def acceptance_metrics() -> Dict[str, torch.Tensor]:
 
 
 def log_acceptance_metrics(
-    iteration: int, writer=None, wandb_writer=None, total_loss_dict=None
+    tracker: Dict[str, Any], iteration: int, writer=None, wandb_writer=None, total_loss_dict=None
 ) -> Dict[str, torch.Tensor]:
     """Writes :func:`acceptance_metrics` to TensorBoard, W&B and ``total_loss_dict``."""
-    metrics = acceptance_metrics()
+    metrics = acceptance_metrics(tracker)
     for name, value in metrics.items():
         if writer is not None:
             writer.add_scalar(name, value, iteration)

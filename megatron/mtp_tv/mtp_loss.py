@@ -3,7 +3,6 @@
 """Megatron glue: the MTP losses behind ``process_mtp_loss``."""
 
 import contextlib
-import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -16,7 +15,6 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
-from megatron.core.transformer import multi_token_prediction as _mtp
 
 from .alignment import CP_LAYOUTS, TargetSegment, target_segments
 from .config import MTPLossOptions, runs_megatron_ce, validate_mtp_loss_config
@@ -24,35 +22,13 @@ from .linear_tv import linear_tv_loss
 from .metrics import save_acceptance_to_tracker
 from .vocab_parallel import group_size, vocab_range
 
-
-def _roll_once(
-    tensor: Tensor, cp_group, packed_seq_params, roll_context=None, field=None, roll_depth=0
-):
-    """Megatron's ``roll_tensor(tensor, shifts=-1, dims=-1)`` -> ``(rolled, rolled.sum())``."""
-    roll_tensor = _mtp.roll_tensor
-    if 'sequence_fields' in inspect.signature(roll_tensor).parameters:  # NVIDIA dev's list form
-        context = (
-            {}
-            if roll_context is None
-            else dict(roll_context=roll_context, sequence_fields=[field], roll_depth=roll_depth)
-        )
-        (rolled,) = roll_tensor(
-            [tensor],
-            shifts=-1,
-            dims=-1,
-            cp_group=cp_group,
-            packed_seq_params=packed_seq_params,
-            **context,
-        )
-        return rolled, rolled.sum()
-    if roll_context is not None:
-        raise ValueError(
-            f"sequence_roll_context={type(roll_context).__name__} was given, but this Megatron's "
-            "roll_tensor takes no roll context (only the list form of NVIDIA dev does)."
-        )
-    return roll_tensor(
-        tensor, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params
-    )
+#: ``roll(tensor, field, depth) -> (rolled, rolled.sum())``: ``tensor [b, s]`` one position left
+#: as ``process_mtp_loss`` rolls it (``field``: ``'labels'``, ``'loss_mask'`` or ``'input_ids'``;
+#: ``depth``: how many rolls it had).
+RollFn = Callable[[Tensor, str, int], Tuple[Tensor, Tensor]]
+#: ``record(loss, correct, count, layer_number, num_layers, avg_group)``: one depth's mean
+#: objective, greedy hits and token count into Megatron's MTP tracker (``mtp_{k} loss``).
+RecordDepthFn = Callable[[Tensor, Tensor, Tensor, int, int, Any], None]
 
 
 def _cp_layout(packed_seq_params, cp_group, loss_type: str) -> str:
@@ -67,9 +43,9 @@ def _cp_layout(packed_seq_params, cp_group, loss_type: str) -> str:
 
 @dataclass(frozen=True)
 class MTPLossInputs:
-    """What the MTP loss reads besides the hidden states: ``process_mtp_loss``'s arguments less
-    the two that build full logits (``runtime_gather_output``, ``compute_language_model_loss``:
-    the sweep never does). Tensors: ``labels``, ``loss_mask`` and ``input_ids`` ``[b, s]``."""
+    """What the MTP loss reads besides the hidden states: ``process_mtp_loss``'s arguments (less
+    the two that build full logits, which the loss never does) and the tree's own ``roll_tensor``
+    and MTP tracker. Tensors: ``labels``, ``loss_mask`` and ``input_ids`` ``[b, s]``."""
 
     labels: Optional[Tensor]
     loss_mask: Optional[Tensor]
@@ -77,74 +53,49 @@ class MTPLossInputs:
     output_weight: Optional[Tensor]
     is_training: bool
     config: Any
+    roll: RollFn
+    record_depth_metrics: RecordDepthFn
+    tracker: Dict[str, Any]
     cp_group: Any = None
     tp_group: Any = None
     packed_seq_params: Any = None
     scale_logits_fn: Optional[Callable[[Tensor], Tensor]] = None
     input_ids: Optional[Tensor] = None
-    sequence_roll_context: Any = None
-
-    @classmethod
-    def from_process_mtp_loss_kwargs(cls, kwargs: Dict[str, Any]) -> 'MTPLossInputs':
-        """The inputs of ``process_mtp_loss``'s keyword arguments (all but ``hidden_states``)."""
-        unused = ('runtime_gather_output', 'compute_language_model_loss')
-        return cls(**{name: value for name, value in kwargs.items() if name not in unused})
+    detach_output_weight: bool = False
 
 
 def process_mtp_tv_loss(
-    hidden_states: Tensor,
-    labels: Tensor,
-    loss_mask: Optional[Tensor],
-    output_layer: Callable,
-    output_weight: Optional[Tensor],
-    runtime_gather_output: Optional[bool],
-    is_training: bool,
-    compute_language_model_loss: Callable,
-    config,
-    cp_group=None,
-    tp_group=None,
-    packed_seq_params=None,
-    scale_logits_fn: Optional[Callable[[Tensor], Tensor]] = None,
-    input_ids: Optional[Tensor] = None,
-    sequence_roll_context=None,
-) -> Optional[Tensor]:
-    """Megatron's ``process_mtp_loss`` (same arguments) for every MTP loss but its own ``'ce'``.
+    hidden_states: Tensor, inputs: MTPLossInputs
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """The MTP loss of ``config.mtp_loss_type`` on ``process_mtp_loss``'s hidden states.
+
+    With Megatron's own ``'ce'`` (which ``process_mtp_loss`` computes) only the acceptance
+    metrics are logged, without gradient.
 
     Args:
         hidden_states: ``[(1+D)s, b, h]``, the main rows then each depth's.
-        runtime_gather_output, compute_language_model_loss: unused (no full logits are built).
+        inputs: the rest of ``process_mtp_loss``'s arguments.
 
     Returns:
-        The main hidden states ``[s, b, h]``, the MTP loss attached; None where Megatron's own
-        ``'ce'`` computes it (the acceptance metrics logged first with ``mtp_log_acceptance``).
+        ``(main hidden states [s, b, h], the scalar loss)``, for ``MTPLossAutoScaler`` to
+        attach; the loss is None for ``'ce'`` and without labels and input ids.
     """
+    config = inputs.config
     metrics_only = runs_megatron_ce(config)
-    if metrics_only and not (is_training and config.mtp_log_acceptance):
-        return None
     main_hidden, draft_hidden = split_mtp_hidden_states(hidden_states, config)
-    inputs = MTPLossInputs(
-        labels=labels,
-        loss_mask=loss_mask,
-        output_layer=output_layer,
-        output_weight=output_weight,
-        is_training=is_training,
-        config=config,
-        cp_group=cp_group,
-        tp_group=tp_group,
-        packed_seq_params=packed_seq_params,
-        scale_logits_fn=scale_logits_fn,
-        input_ids=input_ids,
-        sequence_roll_context=sequence_roll_context,
-    )
+    if metrics_only and not (inputs.is_training and config.mtp_log_acceptance):
+        return main_hidden, None
     with torch.no_grad() if metrics_only else contextlib.nullcontext():
         loss = _mtp_tv_loss(main_hidden, draft_hidden, None, inputs, metrics_only)
-    if metrics_only:
-        return None
-    return main_hidden if loss is None else _mtp.MTPLossAutoScaler.apply(main_hidden, loss)
+    return main_hidden, None if metrics_only else loss
 
 
 def attach_mtp_tv_loss(
-    main_logits: Tensor, main_hidden: Tensor, draft_hidden: Tensor, **process_mtp_loss_kwargs
+    main_logits: Tensor,
+    main_hidden: Tensor,
+    draft_hidden: Tensor,
+    inputs: MTPLossInputs,
+    loss_scaler: type,
 ) -> Tensor:
     """Runs the MTP loss against ``main_logits`` and returns them with it attached.
 
@@ -152,14 +103,14 @@ def attach_mtp_tv_loss(
         main_logits: ``[s, b, V/tp]`` (or the gathered vocabulary), the detached target.
         main_hidden: ``[s, b, h]``, what they were projected from.
         draft_hidden: ``[D*s, b, h]``, every depth's hidden states.
-        **process_mtp_loss_kwargs: ``process_mtp_loss``'s other arguments (all but
-            ``hidden_states``), as ``GPTModel._postprocess`` passes them.
+        inputs: ``process_mtp_loss``'s other arguments.
+        loss_scaler: Megatron's ``MTPLossAutoScaler``, whose ``main_loss_backward_scale`` the
+            loss's gradient takes.
     """
-    inputs = MTPLossInputs.from_process_mtp_loss_kwargs(process_mtp_loss_kwargs)
     loss = _mtp_tv_loss(main_hidden, draft_hidden, main_logits.detach(), inputs)
     if loss is None or not (torch.is_grad_enabled() and loss.requires_grad):
         return main_logits
-    return _AttachMTPLoss.apply(main_logits, loss)
+    return _AttachMTPLoss.apply(main_logits, loss, loss_scaler)
 
 
 def split_mtp_hidden_states(hidden_states: Tensor, config) -> Tuple[Tensor, Tensor]:
@@ -187,16 +138,17 @@ class _AttachMTPLoss(torch.autograd.Function):
     so that Megatron's cross-entropy may still work on them in place."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, mtp_loss: Tensor):
+    def forward(ctx, logits: Tensor, mtp_loss: Tensor, loss_scaler: type):
         ctx.save_for_backward(mtp_loss)
+        ctx.loss_scaler = loss_scaler
         ctx.mark_dirty(logits)
         return logits
 
     @staticmethod
     def backward(ctx, grad_logits: Tensor):
         (mtp_loss,) = ctx.saved_tensors
-        scale = _mtp.MTPLossAutoScaler.main_loss_backward_scale
-        return grad_logits, torch.ones_like(mtp_loss) * scale
+        scale = ctx.loss_scaler.main_loss_backward_scale
+        return grad_logits, torch.ones_like(mtp_loss) * scale, None
 
 
 def _mtp_tv_loss(
@@ -226,19 +178,14 @@ def _mtp_tv_loss(
     depth = config.mtp_num_layers
     cp_layout = _cp_layout(packed_seq_params, cp_group, config.mtp_loss_type)
 
-    def roll(t, field, roll_depth):
-        return _roll_once(
-            t, cp_group, packed_seq_params, inputs.sequence_roll_context, field, roll_depth
-        )
-
-    rolled = _roll_per_depth(inputs.labels, inputs.input_ids, inputs.loss_mask, depth, roll)
+    rolled = _roll_per_depth(inputs.labels, inputs.input_ids, inputs.loss_mask, depth, inputs.roll)
     if rolled is None:
         return None
     output_layer = inputs.output_layer
     tp_group = inputs.tp_group
     if tp_group is None:
         tp_group = getattr(output_layer, 'tp_group', None)
-    weight = _output_weight(output_layer, inputs.output_weight, config)
+    weight = _output_weight(inputs)
     fuse_weight_grad = _fuses_weight_grad(output_layer, weight, config.mtp_loss_type)
     draft, target = _vocab_parallel_layout(
         draft_hidden,
@@ -276,8 +223,9 @@ def _mtp_tv_loss(
         save_acceptance_to_tracker(
             result,
             rolled.masks.transpose(1, 2),
+            inputs.tracker,
+            inputs.record_depth_metrics if not metrics_only else None,
             avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
-            log_loss=not metrics_only,
         )
     return result.loss
 
@@ -328,13 +276,14 @@ def _token_weights(loss_fn, rolled: _Rolled, config) -> Tensor:
     return (masks * norm).transpose(-2, -1)
 
 
-def _output_weight(output_layer, output_weight, config) -> Tensor:
-    weight = output_weight if output_weight is not None else output_layer.weight
-    if getattr(config, 'mtp_detach_heads', False):  # not a field in every Megatron tree
+def _output_weight(inputs: MTPLossInputs) -> Tensor:
+    output_layer = inputs.output_layer
+    weight = inputs.output_weight if inputs.output_weight is not None else output_layer.weight
+    if inputs.detach_output_weight:
         weight = weight.detach()
     if getattr(output_layer, 'bias', None) is not None:
         raise ValueError(
-            f"mtp_loss_type={config.mtp_loss_type!r} supports an output layer without bias "
+            f"mtp_loss_type={inputs.config.mtp_loss_type!r} supports an output layer without bias "
             "(GPTModel's); this output layer has a bias."
         )
     return weight

@@ -57,7 +57,28 @@ _GENERATED = ('__init__', '__repr__', '__eq__', '__match_args__')
 # refused with the fact that differs instead of failing at the first forward or, worse,
 # computing a wrong loss. Update them together with the code that handles a new form.
 
-#: ``roll_tensor`` forms that ``mtp_loss._roll_once`` calls correctly, by first parameter:
+#: ``process_mtp_loss`` parameters the MTP losses know (:func:`mtp_loss_inputs` takes all but the
+#: hidden states), and those every known tree has.
+PROCESS_MTP_LOSS_PARAMS = (
+    'hidden_states',
+    'labels',
+    'loss_mask',
+    'output_layer',
+    'output_weight',
+    'runtime_gather_output',
+    'is_training',
+    'compute_language_model_loss',
+    'config',
+    'cp_group',
+    'tp_group',
+    'packed_seq_params',
+    'scale_logits_fn',
+    'input_ids',
+    'sequence_roll_context',
+)
+REQUIRED_PROCESS_MTP_LOSS_PARAMS = PROCESS_MTP_LOSS_PARAMS[:9]
+
+#: ``roll_tensor`` forms that :func:`_roll_once` calls correctly, by first parameter:
 #: ``(required parameters, optional parameters)``. ``'tensor'``: one tensor in, ``(rolled, sum)``
 #: out (megatron-core 0.19, NVIDIA main with ``return_sum``); ``'tensors'``: a list in, a list out
 #: (NVIDIA dev, radixark miles-main-20260819).
@@ -69,7 +90,7 @@ ROLL_TENSOR_FORMS = {
     ),
 }
 
-#: The ``MTPLossLoggingHelper`` method ``metrics.save_acceptance_to_tracker`` records the
+#: The ``MTPLossLoggingHelper`` method :func:`_record_depth_metrics` records the
 #: per-depth loss with (the first one the tree has), and the parameters it must have.
 TRACKER_APIS = {
     'save_metrics_to_tracker': (
@@ -115,7 +136,12 @@ class _MainLogitsLoss:
                 'This _postprocess is not one mtp_tv knows: report the Megatron version.'
             )
         self.attached = True
-        return attach_mtp_tv_loss(logits, self.main_hidden, self.draft_hidden, **self.kwargs)
+        from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+        inputs = mtp_loss_inputs(**self.kwargs)
+        return attach_mtp_tv_loss(
+            logits, self.main_hidden, self.draft_hidden, inputs, MTPLossAutoScaler
+        )
 
     def check(self) -> None:
         """Raise if the hidden states were split and the main head never projected from them."""
@@ -140,7 +166,7 @@ class UnsupportedMegatronError(RuntimeError):
 
 
 def roll_tensor_problem(params) -> str:
-    """Why ``roll_tensor(*params)`` is not a form ``_roll_once`` knows ('' when it is)."""
+    """Why ``roll_tensor(*params)`` is not a form :func:`_roll_once` knows ('' when it is)."""
     params = tuple(params)
     form = ROLL_TENSOR_FORMS.get(params[0] if params else None)
     if form is None:
@@ -177,7 +203,7 @@ def tracker_problem(methods: Dict[str, tuple]) -> str:
 
 
 def process_mtp_loss_problem(params, tv_params, tv_required) -> str:
-    """Why ``process_mtp_loss(*params)`` cannot be handed to ``process_mtp_tv_loss``."""
+    """Why ``process_mtp_loss(*params)`` cannot be handed to :func:`mtp_loss_inputs`."""
     unknown = [p for p in params if p not in tv_params]
     missing = [p for p in tv_required if p not in params]
     if unknown:
@@ -219,21 +245,21 @@ def install() -> None:
 def check_megatron() -> None:
     """Raise :class:`UnsupportedMegatronError` if this megatron-core's MTP code is unknown.
 
-    Checked: the parameters of ``process_mtp_loss`` (every one must be a parameter of
-    ``process_mtp_tv_loss``, which receives them all), the form of ``roll_tensor`` (see
+    Checked: the parameters of ``process_mtp_loss`` (every one must be in
+    :data:`PROCESS_MTP_LOSS_PARAMS`), the form of ``roll_tensor`` (see
     :data:`ROLL_TENSOR_FORMS`) and the tracker method the acceptance metrics use
     (:data:`TRACKER_APIS`).
     """
     from megatron.core.transformer import multi_token_prediction as mtp
 
-    from .mtp_loss import process_mtp_tv_loss
-
-    tv = inspect.signature(process_mtp_tv_loss).parameters
-    tv_required = [n for n, p in tv.items() if p.default is inspect.Parameter.empty]
     helper = mtp.MTPLossLoggingHelper
     problems = [
         (
-            process_mtp_loss_problem(_params(mtp.process_mtp_loss), list(tv), tv_required)
+            process_mtp_loss_problem(
+                _params(mtp.process_mtp_loss),
+                PROCESS_MTP_LOSS_PARAMS,
+                REQUIRED_PROCESS_MTP_LOSS_PARAMS,
+            )
             if hasattr(mtp, 'process_mtp_loss')
             else 'no process_mtp_loss (a tree whose MTP loss is inline in GPTModel._postprocess, '
             'like radixark miles-main, needs a patch from patches/)'
@@ -361,11 +387,16 @@ def _install_loss() -> None:
         except ImportError:  # a model family whose optional dependencies are missing
             continue
         module.process_mtp_loss = dispatcher
+    # what a patched tree defines next to process_mtp_loss
+    multi_token_prediction.mtp_loss_inputs = mtp_loss_inputs
 
 
 def _with_tv_losses(megatron_process_mtp_loss: Callable) -> Callable:
-    """:func:`process_mtp_tv_loss`, then Megatron's ``process_mtp_loss`` where it returns None
-    (Megatron's own ``'ce'``)."""
+    """Megatron's ``process_mtp_loss`` that branches on ``mtp_loss_type`` as a patched tree's
+    does: every MTP loss but Megatron's own ``'ce'`` (its acceptance metrics logged first with
+    ``mtp_log_acceptance``) through :func:`~.mtp_loss.process_mtp_tv_loss`."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
     from .mtp_loss import process_mtp_tv_loss
 
     @functools.wraps(megatron_process_mtp_loss)
@@ -374,10 +405,110 @@ def _with_tv_losses(megatron_process_mtp_loss: Callable) -> Callable:
         pending = _MAIN_LOGITS_LOSS.get()
         if pending is not None and pending.main_hidden is None:
             return pending.split(**bound)
-        out = process_mtp_tv_loss(**bound)
-        return megatron_process_mtp_loss(*args, **kwargs) if out is None else out
+        config = bound['config']
+        megatron_ce = _config.runs_megatron_ce(config)
+        if not megatron_ce or (bound['is_training'] and config.mtp_log_acceptance):
+            hidden_states = bound.pop('hidden_states')
+            main_hidden, loss = process_mtp_tv_loss(hidden_states, mtp_loss_inputs(**bound))
+            if not megatron_ce:
+                return main_hidden if loss is None else MTPLossAutoScaler.apply(main_hidden, loss)
+        return megatron_process_mtp_loss(*args, **kwargs)
 
     return process_mtp_loss
+
+
+def mtp_loss_inputs(
+    labels,
+    loss_mask,
+    output_layer,
+    output_weight,
+    runtime_gather_output,
+    is_training,
+    compute_language_model_loss,
+    config,
+    cp_group=None,
+    tp_group=None,
+    packed_seq_params=None,
+    scale_logits_fn=None,
+    input_ids=None,
+    sequence_roll_context=None,
+):
+    """``process_mtp_loss``'s arguments (but the hidden states) as the MTP losses take them, with
+    this megatron-core's ``roll_tensor`` and MTP tracker: the plugin's form of the function a
+    patched tree defines in ``multi_token_prediction.py``. ``runtime_gather_output`` and
+    ``compute_language_model_loss`` are unused (the MTP losses build no full logits)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from .mtp_loss import MTPLossInputs
+
+    del runtime_gather_output, compute_language_model_loss
+    return MTPLossInputs(
+        labels=labels,
+        loss_mask=loss_mask,
+        output_layer=output_layer,
+        output_weight=output_weight,
+        is_training=is_training,
+        config=config,
+        roll=functools.partial(
+            _roll_once,
+            cp_group=cp_group,
+            packed_seq_params=packed_seq_params,
+            roll_context=sequence_roll_context,
+        ),
+        record_depth_metrics=_record_depth_metrics,
+        tracker=MTPLossLoggingHelper.tracker,
+        cp_group=cp_group,
+        tp_group=tp_group,
+        packed_seq_params=packed_seq_params,
+        scale_logits_fn=scale_logits_fn,
+        input_ids=input_ids,
+        detach_output_weight=config.mtp_detach_heads,
+    )
+
+
+def _roll_once(tensor, field, depth, cp_group, packed_seq_params, roll_context=None):
+    """Megatron's ``roll_tensor(tensor, shifts=-1, dims=-1)`` -> ``(rolled, rolled.sum())``, in
+    either form of :data:`ROLL_TENSOR_FORMS` (looked up per call: tests stand in for it)."""
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    if 'sequence_fields' in inspect.signature(mtp.roll_tensor).parameters:  # NVIDIA dev's form
+        context = (
+            {}
+            if roll_context is None
+            else dict(roll_context=roll_context, sequence_fields=[field], roll_depth=depth)
+        )
+        (rolled,) = mtp.roll_tensor(
+            [tensor],
+            shifts=-1,
+            dims=-1,
+            cp_group=cp_group,
+            packed_seq_params=packed_seq_params,
+            **context,
+        )
+        return rolled, rolled.sum()
+    if roll_context is not None:
+        raise ValueError(
+            f"sequence_roll_context={type(roll_context).__name__} was given, but this Megatron's "
+            "roll_tensor takes no roll context (only the list form of NVIDIA dev does)."
+        )
+    return mtp.roll_tensor(
+        tensor, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params
+    )
+
+
+def _record_depth_metrics(loss, correct, count, layer_number, num_layers, avg_group) -> None:
+    """One depth's ``mtp_{k} loss`` through the tracker method of :data:`TRACKER_APIS` that this
+    megatron-core has (``save_loss_to_tracker`` logs no greedy accuracy)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    if hasattr(MTPLossLoggingHelper, 'save_metrics_to_tracker'):
+        MTPLossLoggingHelper.save_metrics_to_tracker(
+            loss, correct, count, layer_number, num_layers, avg_group=avg_group
+        )
+    else:
+        MTPLossLoggingHelper.save_loss_to_tracker(
+            loss, layer_number, num_layers, avg_group=avg_group
+        )
 
 
 def _install_metrics_logging() -> None:
@@ -388,7 +519,9 @@ def _install_metrics_logging() -> None:
     original = MTPLossLoggingHelper.track_mtp_metrics
 
     def track_mtp_metrics(loss_scale, iteration, writer, wandb_writer=None, total_loss_dict=None):
-        log_acceptance_metrics(iteration, writer, wandb_writer, total_loss_dict)
+        log_acceptance_metrics(
+            MTPLossLoggingHelper.tracker, iteration, writer, wandb_writer, total_loss_dict
+        )
         return original(loss_scale, iteration, writer, wandb_writer, total_loss_dict)
 
     MTPLossLoggingHelper.track_mtp_metrics = staticmethod(track_mtp_metrics)

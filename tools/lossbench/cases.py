@@ -346,13 +346,16 @@ def mtp_cases(G: int, s: int, h: int, V: int, chunk: int, tp_group, tp: int,
         )
         if cfg.mtp_loss_type != 'ce' and from_main_logits and main_logits is not None:
             mtp_loss = loss_module('mtp_loss')
+            from megatron.core.transformer import multi_token_prediction as mtp_module
 
             def on_main_logits():  # what GPTModel._postprocess does, its main head projected
                 main, drafts = mtp_loss.split_mtp_hidden_states(kwargs['hidden_states'], cfg)
                 rest = {k: v for k, v in kwargs.items() if k != 'hidden_states'}
                 # a fresh tensor object each step, as the model's main head gives: the loss is
                 # attached to the logits in place (their storage is shared, nothing is copied)
-                return mtp_loss.attach_mtp_tv_loss(main_logits.detach(), main, drafts, **rest)
+                inputs = mtp_module.mtp_loss_inputs(**rest)
+                return mtp_loss.attach_mtp_tv_loss(
+                    main_logits.detach(), main, drafts, inputs, mtp_module.MTPLossAutoScaler)
 
             return on_main_logits
         return lambda: gpt_model.process_mtp_loss(**kwargs)

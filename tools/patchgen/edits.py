@@ -20,7 +20,8 @@ from .package import field_names, new_files
 from .snippets import (
     FLOPS_RETURN_INDENT, MTP_LOSS_MODULE, snippet_attach, snippet_config_import, snippet_fields,
     snippet_flops_import, snippet_flops_return, snippet_get_model, snippet_gpt_import,
-    snippet_inline_gpt, snippet_postprocess_start, snippet_process_mtp_loss,
+    snippet_inline_gpt, snippet_mtp_imports, snippet_mtp_loss_inputs, snippet_postprocess_start,
+    snippet_process_mtp_loss,
     snippet_process_mtp_loss_call, snippet_track_metrics, snippet_validate, snippet_wrapped_call,
 )
 
@@ -159,11 +160,13 @@ def _enclosing_function(root, target):
     return best
 
 
-def edit_mtp(text: str) -> Editor:
-    """The metrics logging in ``track_mtp_metrics``; in ``process_mtp_loss`` (where the tree has
-    it) the dispatch to the TV losses."""
+def edit_mtp(text: str, facts) -> Editor:
+    """The MTP losses' imports; the metrics logging in ``track_mtp_metrics``; in
+    ``process_mtp_loss`` (where the tree has it) the branch of the MTP losses; at the end,
+    ``mtp_loss_inputs`` in this tree's forms."""
     tree = ast.parse(text)
     ed = Editor(text)
+    ed.insert(_after_transformer_imports(tree, MTP_FILE), snippet_mtp_imports())
     helper = _find_class(tree, 'MTPLossLoggingHelper')
     track = _find_function(helper.body, 'track_mtp_metrics')
     if track is None or [a.arg for a in track.args.args[:4]] != [
@@ -178,10 +181,11 @@ def edit_mtp(text: str) -> Editor:
         if missing:
             raise PatchError(f'{MTP_FILE}: process_mtp_loss lacks {sorted(missing)}')
         ed.insert(_after_docstring(fn), snippet_process_mtp_loss(params))
+    ed.insert(len(ed.lines), snippet_mtp_loss_inputs(facts))
     return ed
 
 
-def edit_gpt(text: str) -> Editor:
+def edit_gpt(text: str, facts) -> Editor:
     """In ``GPTModel._postprocess``: no drafts split off at first; the ``process_mtp_loss`` call
     (or radixark miles-main's inline branch) only splits the hidden states where the loss runs
     on the main logits; the loss on the logits of each main-head projection."""
@@ -191,12 +195,11 @@ def edit_gpt(text: str) -> Editor:
         if isinstance(node, ast.ImportFrom) and node.module == MTP_LOSS_MODULE:
             raise PatchError(f'{GPT_FILE}:{node.lineno} already imports {MTP_LOSS_MODULE}: '
                              'already patched?')
-    ed.insert(_after_transformer_imports(tree, GPT_FILE), snippet_gpt_import())
+    ed.insert(_after_transformer_imports(tree, GPT_FILE), snippet_gpt_import(facts.inline_gpt_loss))
 
     post = _postprocess(text)
     if post is None:
         raise PatchError(f'{GPT_FILE}: GPTModel has no _postprocess')
-    facts = derive_facts({GPT_FILE: text, MTP_FILE: ''})
     ed.insert(_after_docstring(post), snippet_postprocess_start())
 
     node = _inline_if(text)
@@ -275,10 +278,11 @@ def _wrap_process_mtp_loss_call(ed: Editor, post, facts) -> None:
 
 def megatron_edits(files: Dict[str, str]) -> Dict[str, Editor]:
     """The edits of each touched Megatron file (pristine text in ``files``)."""
+    facts = derive_facts(files)
     return {
         CONFIG_FILE: edit_config(files[CONFIG_FILE]),
-        MTP_FILE: edit_mtp(files[MTP_FILE]),
-        GPT_FILE: edit_gpt(files[GPT_FILE]),
+        MTP_FILE: edit_mtp(files[MTP_FILE], facts),
+        GPT_FILE: edit_gpt(files[GPT_FILE], facts),
         TRAINING_FILE: edit_training(files[TRAINING_FILE]),
     }
 

@@ -9,7 +9,7 @@ import ast
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from .layout import GPT_FILE, INLINE_CONDITION, MTP_FILE, TRAINING_FILE, PatchError
+from .layout import CONFIG_FILE, GPT_FILE, INLINE_CONDITION, MTP_FILE, TRAINING_FILE, PatchError
 from .package import plugin_checks, tv_loss_params, tv_loss_required_params
 
 
@@ -38,6 +38,9 @@ class Facts:
     flops_tokens: str = 'total_real_tokens_in_batch'
     """The tokens of the global batch as ``training.py``'s ``num_floating_point_operations``
     counts them (``batch_size * args.seq_length`` in trees without real-token counts)."""
+    mtp_detach_heads: bool = True
+    """Whether ``TransformerConfig`` has Megatron's ``mtp_detach_heads`` (the MTP losses then
+    leave the output weight untrained as its ``process_mtp_loss`` does)."""
 
 
 
@@ -91,6 +94,15 @@ def derive_facts(files: Dict[str, str]) -> Facts:
             for kw in process_mtp_loss_call(post).keywords
         ) if post is not None and _inline_if(files[GPT_FILE]) is None else (),
         flops_tokens=_checked_flops_tokens(files.get(TRAINING_FILE)),
+        mtp_detach_heads=_config_has_field(files[CONFIG_FILE], 'mtp_detach_heads'),
+    )
+
+
+def _config_has_field(text: str, name: str) -> bool:
+    """Whether ``TransformerConfig`` of transformer_config.py's source declares ``name``."""
+    return any(
+        isinstance(node, ast.AnnAssign) and getattr(node.target, 'id', None) == name
+        for node in _find_class(ast.parse(text), 'TransformerConfig').body
     )
 
 

@@ -120,25 +120,14 @@ def field_names() -> Tuple[str, ...]:
     return tuple(n.target.id for n in body if isinstance(n, ast.AnnAssign))
 
 
-def _tv_loss_function() -> ast.FunctionDef:
-    tree = ast.parse((PACKAGE_DIR / 'mtp_loss.py').read_text())
-    return next(
-        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == 'process_mtp_tv_loss'
-    )
-
-
 def tv_loss_params() -> Tuple[str, ...]:
-    fn = _tv_loss_function()
-    return tuple(a.arg for a in fn.args.args + fn.args.kwonlyargs)
+    """The ``process_mtp_loss`` parameters the MTP losses know (the plugin's list)."""
+    return tuple(plugin_checks()['PROCESS_MTP_LOSS_PARAMS'])
 
 
 def tv_loss_required_params() -> Tuple[str, ...]:
-    """Parameters of ``process_mtp_tv_loss`` without a default."""
-    fn = _tv_loss_function()
-    positional = fn.args.args
-    required = positional[: len(positional) - len(fn.args.defaults)]
-    required += [a for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults) if d is None]
-    return tuple(a.arg for a in required)
+    """Those every known tree has."""
+    return tuple(plugin_checks()['REQUIRED_PROCESS_MTP_LOSS_PARAMS'])
 
 
 def _module_level(path: Path, names: Sequence[str]) -> Dict[str, ast.stmt]:
@@ -161,7 +150,7 @@ def _module_level(path: Path, names: Sequence[str]) -> Dict[str, ast.stmt]:
 #: literals and functions install() uses, read from the source (the generator does not import
 #: the package, which imports Megatron).
 _PLUGIN_CHECKS = (
-    'ROLL_TENSOR_FORMS', 'TRACKER_APIS', 'roll_tensor_problem',
+    'PROCESS_MTP_LOSS_PARAMS', 'REQUIRED_PROCESS_MTP_LOSS_PARAMS', 'ROLL_TENSOR_FORMS', 'TRACKER_APIS', 'roll_tensor_problem',
     'tracker_problem', 'process_mtp_loss_problem',
 )
 

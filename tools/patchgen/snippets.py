@@ -11,18 +11,24 @@ from .layout import (
 
 from .package import fields_block, tv_loss_params
 
-#: Where ``GPTModel._postprocess`` takes the MTP loss on its main logits from
-#: (megatron/mtp_tv/mtp_loss.py), and what it imports.
+#: Where the MTP losses' entry points are (megatron/mtp_tv/mtp_loss.py), and what
+#: ``GPTModel._postprocess`` imports from there (the inline loss also ``INLINE_IMPORTS``).
 MTP_LOSS_MODULE = f'{TARGET_MODULE}.mtp_loss'
 GPT_IMPORTS = ('attach_mtp_tv_loss', 'mtp_loss_follows_main_logits', 'split_mtp_hidden_states')
+INLINE_IMPORTS = ('process_mtp_tv_loss',)
+#: ... and from megatron/mtp_tv/config.py.
+INLINE_CONFIG_IMPORTS = ('runs_megatron_ce',)
+#: What gpt_model.py imports from multi_token_prediction.py for the MTP losses.
+MTP_MODULE = 'megatron.core.transformer.multi_token_prediction'
+GPT_MTP_IMPORTS = ('MTPLossAutoScaler', 'mtp_loss_inputs')
 #: The local of the patched ``_postprocess`` that holds the drafts' hidden states, split off
 #: for the MTP loss on the main logits (None otherwise).
 DRAFTS_VAR = 'mtp_tv_drafts'
 #: The local that holds the MTP loss's keyword arguments (``process_mtp_loss``'s but the hidden
 #: states), for both places the loss can run.
 KWARGS_VAR = 'mtp_tv_kwargs'
-#: The local that holds what ``process_mtp_tv_loss`` returns: None where Megatron's own code
-#: computes the loss (``'ce'``).
+#: The local of the patched inline branch (radixark miles-main) that holds the main hidden
+#: states with the MTP loss attached: None where Megatron's own code computes it (``'ce'``).
 HIDDEN_VAR = 'mtp_tv_hidden_states'
 #: The indentation of ``_postprocess``'s ``hidden_states = process_mtp_loss(...)`` statement,
 #: and of that call's keyword arguments (one per line).
@@ -101,35 +107,168 @@ def snippet_flops_edits(tokens: str) -> List[Tuple[List[str], List[str]]]:
     ]
 
 
-def snippet_process_mtp_loss(params: Sequence[str]) -> List[str]:
-    tv = tv_loss_params()
-    kwargs = [f'        {p}={p},' for p in params if p in tv]
+def snippet_mtp_imports() -> List[str]:
+    """multi_token_prediction.py's imports of the MTP losses (after its transformer imports)."""
     return [
-        "    # mtp_tv: every MTP loss but Megatron's own 'ce', which the code after this block computes",
-        '    # (None here). Imported here: mtp_tv imports this module.',
-        f'    from {TARGET_MODULE}.mtp_loss import process_mtp_tv_loss',
+        f'from {TARGET_MODULE}.config import runs_megatron_ce',
+        f'from {TARGET_MODULE}.metrics import log_acceptance_metrics',
+        f'from {TARGET_MODULE}.mtp_loss import MTPLossInputs, process_mtp_tv_loss',
+    ]
+
+
+def _keyword_lines(names: Sequence[str], indent: str) -> List[str]:
+    return [f'{indent}{name}={name},' for name in names]
+
+
+def snippet_process_mtp_loss(params: Sequence[str]) -> List[str]:
+    """First in ``process_mtp_loss``: the branch of every MTP loss but Megatron's own ``'ce'``."""
+    inputs = [p for p in params if p != 'hidden_states']
+    return [
+        "    # mtp_tv: every MTP loss but Megatron's own 'ce', which the code below computes (its",
+        '    # acceptance metrics logged here first with mtp_log_acceptance).',
+        '    megatron_ce = runs_megatron_ce(config)',
+        '    if not megatron_ce or (is_training and config.mtp_log_acceptance):',
+        '        main_hidden_states, mtp_loss = process_mtp_tv_loss(',
+        '            hidden_states,',
+        '            mtp_loss_inputs(',
+        *_keyword_lines(inputs, ' ' * 16),
+        '            ),',
+        '        )',
+        '        if not megatron_ce:',
+        '            if mtp_loss is None:  # no labels',
+        '                return main_hidden_states',
+        '            return MTPLossAutoScaler.apply(main_hidden_states, mtp_loss)',
         '',
-        f'    {HIDDEN_VAR} = process_mtp_tv_loss(',
-        *kwargs,
+    ]
+
+
+#: ``mtp_loss_inputs``' parameters in a tree without ``process_mtp_loss`` (radixark miles-main
+#: at 36ceb4fc0): those of the inline branch.
+INLINE_PARAMS = (
+    'labels', 'loss_mask', 'output_layer', 'output_weight', 'runtime_gather_output',
+    'is_training', 'compute_language_model_loss', 'config', 'cp_group', 'packed_seq_params',
+    'input_ids',
+)
+#: Parameters of ``mtp_loss_inputs`` that ``MTPLossInputs`` does not take.
+_UNUSED_INPUTS = ('runtime_gather_output', 'compute_language_model_loss', 'sequence_roll_context')
+
+
+def mtp_loss_inputs_params(facts: Facts) -> Tuple[str, ...]:
+    """``mtp_loss_inputs``' parameters: ``process_mtp_loss``'s but ``hidden_states``, and the
+    input ids the inline branch passes."""
+    if facts.process_mtp_loss_params is None:
+        return INLINE_PARAMS
+    params = tuple(p for p in facts.process_mtp_loss_params if p != 'hidden_states')
+    if facts.inline_gpt_loss and 'input_ids' not in params:
+        params += ('input_ids',)
+    return params
+
+
+def _roll_body(facts: Facts) -> List[str]:
+    pad = ' ' * 8
+    if facts.roll_tensor_params[0] == 'tensors':  # NVIDIA dev's list form, with its context
+        context = 'sequence_roll_context' in mtp_loss_inputs_params(facts)
+        return [
+            *([f'{pad}context = (',
+               f'{pad}    {{}}',
+               f'{pad}    if sequence_roll_context is None',
+               f'{pad}    else dict(',
+               f'{pad}        roll_context=sequence_roll_context,',
+               f'{pad}        sequence_fields=[field],',
+               f'{pad}        roll_depth=depth,',
+               f'{pad}    )',
+               f'{pad})'] if context else []),
+            f'{pad}(rolled,) = roll_tensor(',
+            f'{pad}    [tensor],',
+            f'{pad}    shifts=-1,',
+            f'{pad}    dims=-1,',
+            f'{pad}    cp_group=cp_group,',
+            f'{pad}    packed_seq_params=packed_seq_params,',
+            *([f'{pad}    **context,'] if context else []),
+            f'{pad})',
+            f'{pad}return rolled, rolled.sum()',
+        ]
+    return [
+        f'{pad}return roll_tensor(',
+        f'{pad}    tensor, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params',
+        f'{pad})',
+    ]
+
+
+def _record_body(facts: Facts) -> List[str]:
+    pad = ' ' * 8
+    if facts.tracker_api[0] == 'save_metrics_to_tracker':
+        return [
+            f'{pad}MTPLossLoggingHelper.save_metrics_to_tracker(',
+            f'{pad}    loss, correct, count, layer_number, num_layers, avg_group=avg_group',
+            f'{pad})',
+        ]
+    return [  # no greedy accuracy in this tree's tracker
+        f'{pad}MTPLossLoggingHelper.save_loss_to_tracker(',
+        f'{pad}    loss, layer_number, num_layers, avg_group=avg_group',
+        f'{pad})',
+    ]
+
+
+def snippet_mtp_loss_inputs(facts: Facts) -> List[str]:
+    """At the end of multi_token_prediction.py: ``process_mtp_loss``'s arguments as the MTP
+    losses take them, with this tree's ``roll_tensor`` and tracker (all a tree's own forms)."""
+    params = mtp_loss_inputs_params(facts)
+    required = 8  # labels .. config: every tree passes them
+    signature = [f'    {p},' for p in params[:required]] + [f'    {p}=None,' for p in params[required:]]
+    taken = [p for p in params if p not in _UNUSED_INPUTS]
+    first = ('labels', 'loss_mask', 'output_layer', 'output_weight', 'is_training', 'config')
+    unused = [p for p in params if p in _UNUSED_INPUTS[:2]]
+    return [
+        '',
+        '',
+        'def mtp_loss_inputs(',
+        *signature,
+        ') -> MTPLossInputs:',
+        '    """The arguments of ``process_mtp_loss`` but ``hidden_states`` as the mtp_tv MTP losses',
+        "    take them, with this module's ``roll_tensor`` and MTP tracker.",
+        *(['',
+           f'    {" and ".join(f"``{u}``" for u in unused)} are unused: the losses build no full',
+           '    logits.'] if unused else []),
+        '    """',
+        '',
+        '    def roll(tensor, field, depth):  # one position left, as process_mtp_loss rolls',
+        *_roll_body(facts),
+        '',
+        '    def record_depth_metrics(loss, correct, count, layer_number, num_layers, avg_group):',
+        *_record_body(facts),
+        '',
+        '    return MTPLossInputs(',
+        *_keyword_lines(first, ' ' * 8),
+        '        roll=roll,',
+        '        record_depth_metrics=record_depth_metrics,',
+        '        tracker=MTPLossLoggingHelper.tracker,',
+        *_keyword_lines([p for p in taken if p not in first], ' ' * 8),
+        *(['        detach_output_weight=config.mtp_detach_heads,'] if facts.mtp_detach_heads else []),
         '    )',
-        f'    if {HIDDEN_VAR} is not None:',
-        f'        return {HIDDEN_VAR}',
-        '',
     ]
 
 
 def snippet_track_metrics() -> List[str]:
     return [
         "        # mtp_tv: the acceptance metrics of every mtp_loss_type ('ce': with mtp_log_acceptance).",
-        f'        from {TARGET_MODULE}.metrics import log_acceptance_metrics',
-        '',
-        '        log_acceptance_metrics(iteration, writer, wandb_writer, total_loss_dict)',
+        '        log_acceptance_metrics(',
+        '            MTPLossLoggingHelper.tracker, iteration, writer, wandb_writer, total_loss_dict',
+        '        )',
         '',
     ]
 
 
-def snippet_gpt_import() -> List[str]:
-    return [f'from {MTP_LOSS_MODULE} import (', *[f'    {name},' for name in GPT_IMPORTS], ')']
+def snippet_gpt_import(inline: bool) -> List[str]:
+    names = GPT_IMPORTS + (INLINE_IMPORTS if inline else ())
+    return [
+        f'from {MTP_MODULE} import {", ".join(GPT_MTP_IMPORTS)}',
+        *([f'from {TARGET_MODULE}.config import {", ".join(INLINE_CONFIG_IMPORTS)}']
+          if inline else []),
+        f'from {MTP_LOSS_MODULE} import (',
+        *[f'    {name},' for name in sorted(names)],
+        ')',
+    ]
 
 
 def snippet_postprocess_start() -> List[str]:
@@ -184,7 +323,10 @@ def snippet_attach(indent: int) -> List[str]:
     pad = ' ' * indent
     return [
         f'{pad}if {DRAFTS_VAR} is not None:  # mtp_tv: the MTP loss against these main logits',
-        f'{pad}    logits = attach_mtp_tv_loss(logits, hidden_states, {DRAFTS_VAR}, **{KWARGS_VAR})',
+        f'{pad}    mtp_tv_inputs = mtp_loss_inputs(**{KWARGS_VAR})',
+        f'{pad}    logits = attach_mtp_tv_loss(',
+        f'{pad}        logits, hidden_states, {DRAFTS_VAR}, mtp_tv_inputs, MTPLossAutoScaler',
+        f'{pad}    )',
     ]
 
 
@@ -196,9 +338,6 @@ def snippet_inline_gpt(output_processor: bool) -> Tuple[List[str], List[str]]:
         "        # with the loss mask, and a detached output layer (the MTP loss does not train it).",
         f'        {HIDDEN_VAR} = None',
         "        if self.config.mtp_num_layers and mtp_kwargs.get('mtp_labels', None) is not None:",
-        '            # Imported here: the mtp_tv package imports multi_token_prediction.',
-        f'            from {TARGET_MODULE}.mtp_loss import process_mtp_tv_loss',
-        '',
         f'            {KWARGS_VAR} = dict(',
         '                labels=None,',
         "                input_ids=mtp_kwargs['mtp_labels'],",
@@ -214,10 +353,19 @@ def snippet_inline_gpt(output_processor: bool) -> Tuple[List[str], List[str]]:
         '                cp_group=self.cp_group,',
         '                packed_seq_params=packed_seq_params,',
         '            )',
+        '            megatron_ce = runs_megatron_ce(self.config)',
         f'            if {_follows(output_processor)}:  # the loss on the main logits below',
         *_split('                ', main=HIDDEN_VAR),
-        '            else:',
-        f'                {HIDDEN_VAR} = process_mtp_tv_loss(hidden_states, **{KWARGS_VAR})',
+        '            elif not megatron_ce or (self.training and self.config.mtp_log_acceptance):',
+        '                main_hidden_states, mtp_tv_loss = process_mtp_tv_loss(',
+        f'                    hidden_states, mtp_loss_inputs(**{KWARGS_VAR})',
+        '                )',
+        "                if not megatron_ce:  # else Megatron's own 'ce', in the branch below",
+        f'                    {HIDDEN_VAR} = main_hidden_states',
+        '                    if mtp_tv_loss is not None:',
+        f'                        {HIDDEN_VAR} = MTPLossAutoScaler.apply(',
+        '                            main_hidden_states, mtp_tv_loss',
+        '                        )',
     ]
     replace = [
         f'        if {HIDDEN_VAR} is not None:',
@@ -231,15 +379,16 @@ def expected_edits(facts: Facts) -> Dict[str, List[Tuple[List[str], List[str]]]]
     """``{file: [(added lines, removed lines) per edit, in file order]}`` for a tree with ``facts``.
 
     File order holds in every supported tree: the import, the fields and ``__post_init__`` in
-    transformer_config.py; ``track_mtp_metrics``, ``process_mtp_loss`` (its last parameter, then
-    its body) and ``MultiTokenPredictionBlock.__init__`` in multi_token_prediction.py; in
-    gpt_model.py the import, then inside ``GPTModel._postprocess`` its first line, the
-    ``process_mtp_loss`` call (or the inline branch) and the main head's projections.
+    transformer_config.py; the imports, ``track_mtp_metrics``, ``process_mtp_loss`` (its body) and
+    ``mtp_loss_inputs`` (at the end) in multi_token_prediction.py; in gpt_model.py the imports,
+    then inside ``GPTModel._postprocess`` its first line, the ``process_mtp_loss`` call (or the
+    inline branch) and the main head's projections.
     """
-    mtp = [(snippet_track_metrics(), [])]
+    mtp = [(snippet_mtp_imports(), []), (snippet_track_metrics(), [])]
     if facts.process_mtp_loss_params is not None:
         mtp.append((snippet_process_mtp_loss(facts.process_mtp_loss_params), []))
-    gpt = [(snippet_gpt_import(), []), (snippet_postprocess_start(), [])]
+    mtp.append((snippet_mtp_loss_inputs(facts), []))
+    gpt = [(snippet_gpt_import(facts.inline_gpt_loss), []), (snippet_postprocess_start(), [])]
     if facts.inline_gpt_loss:
         before, replace = snippet_inline_gpt(facts.postprocess_output_processor)
         gpt += [(before, []), (replace, [f'        if {INLINE_CONDITION}:'])]

@@ -1,0 +1,1 @@
+"""Stand-in modules: see the package docstring."""
