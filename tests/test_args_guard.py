@@ -3,8 +3,9 @@
 * Megatron's parsed arguments ask for one loss and the model's config holds another (the config
   was built without them): building the model (Megatron's ``get_model``; in plugin mode already
   its MTP block) raises ``ValueError`` naming both.
-* A bad value assigned after construction (which skips ``__post_init__``): the same
-  ``ValueError`` as construction, at the loss, instead of a ``KeyError`` deep in the loss code.
+* A bad value assigned after construction (which skips ``__post_init__``): a ``ValueError`` at
+  the loss (``MTPLossOptions``' own checks) naming the value and the same rule as construction's,
+  instead of a ``KeyError`` deep in the loss code.
 """
 
 import pytest
@@ -86,7 +87,7 @@ def test_arguments_matching_the_config_train(megatron_args):
 
 
 @pytest.mark.parametrize('field,bad', [('mtp_loss_type', 'TV'), ('mtp_tv_chunk', -1)])
-def test_bad_value_assigned_after_construction_raises_the_construction_error(field, bad):
+def test_bad_value_assigned_after_construction_is_refused_at_the_loss(field, bad):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     fields = {'mtp_loss_type': 'tv', field: bad}
@@ -98,4 +99,10 @@ def test_bad_value_assigned_after_construction_raises_the_construction_error(fie
         setattr(model.config, field, bad)  # dataclass assignment: no __post_init__
         with pytest.raises(ValueError) as at_loss:
             _step(model)
-    assert str(at_loss.value) == str(at_construction.value)
+    loss_error, construction_error = str(at_loss.value), str(at_construction.value)
+    assert f'={bad!r}' in loss_error and f'{field}={bad!r}' in construction_error
+    if field == 'mtp_loss_type':  # the allowed losses: the registry's, in both
+        assert "'tv', 'e2e_tv', 'kl', 'lk', 'nla']" in loss_error
+        assert "'tv', 'e2e_tv', 'kl', 'lk', 'nla']" in construction_error
+    else:  # the same rule
+        assert loss_error.split(' is invalid; ')[1] == construction_error.split(' is invalid; ')[1]

@@ -102,7 +102,8 @@ def check_choice(name: str, value, choices) -> None:
 
 def validate_mtp_loss_config(config) -> None:
     """Raises ValueError, naming the value and what is allowed, for bad MTP loss fields of
-    ``config``; runs in ``TransformerConfig.__post_init__`` and again at every MTP loss."""
+    ``config``; runs in ``TransformerConfig.__post_init__`` (a value assigned later is refused by
+    :class:`MTPLossOptions`, built from the config at each MTP loss)."""
     check_choice('mtp_loss_type', config.mtp_loss_type, MTP_LOSS_TYPES)
     check_choice('mtp_tv_kernels', config.mtp_tv_kernels, ROW_KERNELS)
     for field, kind in _FIELD_KINDS.items():

@@ -17,7 +17,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from .alignment import CP_LAYOUTS, TargetSegment, target_segments
-from .config import MTPLossOptions, runs_megatron_ce, validate_mtp_loss_config
+from .config import MTPLossOptions, runs_megatron_ce
 from .linear_tv import linear_tv_loss
 from .metrics import save_acceptance_to_tracker
 from .vocab_parallel import group_size, vocab_range
@@ -129,7 +129,6 @@ def mtp_loss_follows_main_logits(model, output_processor=None) -> bool:
         return False
     if getattr(model, 'output_layer', None) is None or not getattr(model, 'post_process', False):
         return False
-    validate_mtp_loss_config(config)  # a field assigned after construction: construction's error
     return MTPLossOptions.from_config(config, metrics=model.training).with_target
 
 
@@ -168,7 +167,6 @@ def _mtp_tv_loss(
     """
     config = inputs.config
     cp_group, packed_seq_params = inputs.cp_group, inputs.packed_seq_params
-    validate_mtp_loss_config(config)  # per call: fields may be assigned after construction
     options = MTPLossOptions.from_config(
         config,
         metrics=inputs.is_training,
