@@ -2,7 +2,7 @@
 
 """Install the TV losses into a running megatron-core (plugin mode).
 
-:func:`install` does six things, each idempotent:
+:func:`install` does five things, each idempotent:
 
 1. adds the fields of :class:`~megatron.mtp_tv.fields.MTPLossConfig` to ``TransformerConfig`` and
    every already-imported dataclass subclass (re-running ``dataclasses.dataclass`` on them, so
@@ -10,7 +10,8 @@
    ``core_transformer_config_from_args`` see them), and validates them in ``__post_init__``;
 2. replaces ``process_mtp_loss`` in the modules that call it (``multi_token_prediction``,
    ``gpt_model``, ``hybrid_model`` import it by name) with a dispatcher that keeps Megatron's
-   function for ``'ce'``;
+   function for ``'ce'``, and adds :func:`mtp_loss_inputs` to ``multi_token_prediction`` (what a
+   patched tree defines there, in its own ``roll_tensor`` and tracker forms);
 3. makes ``MTPLossLoggingHelper.track_mtp_metrics`` log the acceptance metrics as well;
 4. wraps ``GPTModel._postprocess`` so that the TV losses take their target from the main logits
    it computes anyway, as the patched ``_postprocess`` does in its own code: where
@@ -217,7 +218,7 @@ def process_mtp_loss_problem(params, tv_params, tv_required) -> str:
 
 
 def install() -> None:
-    """Give this process's megatron-core the ``'tv'`` and ``'e2e_tv'`` MTP losses.
+    """Give this process's megatron-core every MTP loss of the registry (``mtp_loss_type``).
 
     Idempotent and thread-safe; may be called before or after models and configs are built
     (configs built earlier read the new fields' class defaults, i.e. ``'ce'``).
