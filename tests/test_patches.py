@@ -16,6 +16,7 @@ package source, and they apply.
 
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -481,3 +482,19 @@ def test_tree_mode_refuses_a_gpt_model_without_postprocess(tmp_path, capsys):
     assert cli.main(['--tree', str(tree), '-o', str(out)]) == 2
     assert 'GPTModel has no _postprocess' in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize('name', sorted(targets.TARGETS))
+def test_every_patch_has_its_pull_request_description_up_to_date(name):
+    """``patches/<name>.md`` is what the generator renders from the committed patch now: its
+    per-file line counts are the patch's, its benchmark rows docs/benchmarks.md's."""
+    from patchgen import describe
+
+    target = targets.TARGETS[name]
+    text = describe.render_description(target, target.patch_path.read_text())
+    assert describe.description_path(target).read_text() == text, (
+        'stale: run python tools/make_patches.py')
+    added = sum(1 for line in target.patch_path.read_text().split('\n')
+                if line.startswith('+') and not line.startswith('+++ '))
+    counted = [int(n) for n in re.findall(r'\| \+(\d+) \|', text)]  # the files (the total is bold)
+    assert sum(counted) + int(re.search(r'New files \(\d+, (\d+) lines\)', text).group(1)) == added

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .checkout import patch_tree
+from .describe import description_path, render_description
 from .layout import PATCH_DIR, REPO, PatchError
 from .offline import check_offline, regenerate_offline
 from .render import render_patch
@@ -82,4 +83,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             PATCH_DIR.mkdir(exist_ok=True)
             target.patch_path.write_text(text)
             print(f'{name}: wrote {target.patch_path.relative_to(REPO)}')
+    for name in args.target or list(TARGETS):
+        stale |= _describe(TARGETS[name], args.check)
     return 1 if stale else 0
+
+
+def _describe(target, check: bool) -> bool:
+    """Write (or with ``check``, compare) the patch's pull-request description; True: stale."""
+    if not target.patch_path.exists():
+        return False
+    path = description_path(target)
+    text = render_description(target, target.patch_path.read_text())
+    if path.exists() and path.read_text() == text:
+        return False
+    if check:
+        print(f'{target.name}: STALE: {path.relative_to(REPO)}')
+        return True
+    path.write_text(text)
+    print(f'{target.name}: wrote {path.relative_to(REPO)}')
+    return False
