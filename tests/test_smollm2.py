@@ -441,7 +441,8 @@ def test_retrained_heads_are_checked_against_their_stored_part(tmp_path):
 def test_chained_smoke_preset_runs_and_resumes(tmp_path, smollm2):
     """Issue 59's preset at toy sizes: one shared MTP layer at two depths scored with two
     chained drafts (per-depth alpha, speculative decoding at gamma 2), the cosine schedule, the
-    rate grid and the plateau arm at twice the budget; a rerun runs nothing."""
+    rate grid, the plateau arm at twice the budget and the budget doubled when that gains
+    (the seeds run at the budget chosen); a rerun runs nothing."""
     import json
 
     from smollm2_lib import experiment as X
@@ -456,9 +457,12 @@ def test_chained_smoke_preset_runs_and_resumes(tmp_path, smollm2):
     parts = {p.stem: json.loads(p.read_text()) for p in (out / 'parts').glob('*.json')}
     n = preset.cold_steps
     assert {f'cold_ce_lr{lr:g}_n{n}_s0' for lr in preset.lr_grid} <= set(parts)
-    best = parts['test_cold_ce_s0']['lr']
+    best, budget = parts['test_cold_ce_s0']['lr'], parts['test_cold_ce_s0']['steps']
     assert f'cold_ce_lr{best:g}_n{2 * n}_s0' in parts  # the plateau arm
-    assert {'test_cold_ce_s1', 'cold_init'} <= set(parts)
+    short, long = (parts[f'cold_ce_lr{best:g}_n{k}_s0'] for k in (n, 2 * n))
+    assert budget == (n if X.tau_gain(short, long) < preset.plateau_gain else 2 * n)
+    assert 'cold_init' in parts and 'test_cold_ce_s1' not in parts  # other seeds: S3
+    assert '| `ce` | ' in (out / 'report.md').read_text().split('Plateau, seed 0')[1]
     arm = parts[f'cold_ce_lr{best:g}_n{n}_s0']
     assert arm['depths'] == 2 and arm['common']['repeated_layer'] is True
     assert len(arm['validation']['sampled']['alpha']) == 2

@@ -112,7 +112,10 @@ class Preset:
     (:func:`~smollm2_lib.data.load_files_domain`)."""
     plateau_check: bool = False
     """Each loss's best rate also runs on the first seed at twice the budget: the head is at
-    its plateau if that gains under ``plateau_gain`` (relative, in tokens per verify step)."""
+    its plateau if that gains under ``plateau_gain`` (relative, in tokens per verify step);
+    otherwise the budget doubles, up to ``max_doublings`` times, and the seeds run at the first
+    budget whose double gains under it (:meth:`Experiment.plateau_budget`)."""
+    max_doublings: int = 3
 
     def loss_names(self) -> List[str]:
         if self.losses is not None:
@@ -168,8 +171,9 @@ PRESETS: Dict[str, Preset] = {
     # The chained preset's code paths at toy sizes (tests/test_smollm2.py).
     'chained-smoke': Preset(name='chained-smoke', scenarios=('official',), seeds=(0, 1),
                             depths=2, repeated_layer=True, schedule='cosine', split='files',
-                            plateau_check=True, block=33, losses=('ce',), stdlib_chars=60_000,
-                            warmup=1, lr_grid=(1e-3, 3e-3), lr_extensions=0, cold_steps=3,
+                            plateau_check=True, max_doublings=1, block=33, losses=('ce',),
+                            stdlib_chars=60_000, warmup=1, lr_grid=(1e-3, 3e-3),
+                            lr_extensions=0, cold_steps=3,
                             eval_every=2, curve_windows=2, checkpoint_every=2, context=8,
                             tf_windows=2, spec_prompts=3, spec_rounds=2, continuation_prompts=2,
                             batch=1, threads=1),
@@ -279,6 +283,13 @@ def point_at(curve: List[Dict], step: float) -> Dict:
     return min(curve, key=lambda p: abs(p['step'] - step))
 
 
+def tau_gain(short: Dict, long: Dict) -> float:
+    """Relative gain in validation tau (``1 +`` accepted drafts, T=1) from arm record ``short``
+    to ``long`` (the same arm at twice the budget)."""
+    before, after = (1 + r['validation']['sampled']['accepted'] for r in (short, long))
+    return (after - before) / before
+
+
 def plateau_gain(curve: List[Dict], steps: int) -> float:
     """Relative gain of validation accepted drafts (T=1) over the last quarter of ``steps``."""
     end = point_at(curve, steps)['sampled']['accepted']
@@ -365,6 +376,8 @@ class Experiment:
         self.fresh: Dict[int, Dict] = {}
         self.sets: Dict[str, EvalSets] = {}
         self.backbones: Dict[str, Dict] = {}
+        self.budgets: Dict[Tuple[str, str], int] = {}
+        """Each ``(scenario, loss)``'s budget: ``cold_steps`` or its plateau budget."""
 
     # ------------------------------------------------------------------ set-up
 
@@ -714,10 +727,12 @@ class Experiment:
 
     def run_official(self) -> None:
         """The official head: a fresh ``'ce'`` head on the original backbone, on the rate grid
-        at the full budget (and twice it: the plateau), its seeds scored on the test split;
-        then the fresh heads scored (``cold_init``)."""
+        at the full budget, then at its plateau budget (:meth:`plateau_budget`), scored on the
+        test split; then the fresh heads scored (``cold_init``). Its other seeds are the cold
+        start's (S3), which runs after S1 and S2."""
         p = self.preset
-        self.cold_lrs = self.run_losses('cold', p.cold_steps, p.lr_grid, ['ce'])
+        self.cold_lrs = self.run_losses('cold', p.cold_steps, p.lr_grid, ['ce'],
+                                        seeds=p.seeds[:1])
         self.cold_init()
 
     def cold_init(self) -> Dict:
@@ -738,25 +753,43 @@ class Experiment:
         return self.part('cold_init', {'heads': 'fresh', 'seed': p.seeds[0]}, init)
 
     def run_losses(self, scenario: str, steps: int, grid: Tuple[float, ...],
-                   losses: Optional[List[str]] = None) -> Dict[str, float]:
+                   losses: Optional[List[str]] = None,
+                   seeds: Optional[Tuple[int, ...]] = None) -> Dict[str, float]:
         """Every loss in turn (default: the preset's): its grid on the first seed, then its best
-        rate on every seed, each seed's heads scored on the test split. Returns each loss's rate."""
+        rate at its budget (:meth:`plateau_budget` under ``plateau_check``) on every seed of
+        ``seeds`` (default: the preset's), each seed's heads scored on the test split. Returns
+        each loss's rate."""
         lrs = {}
         for loss in losses if losses is not None else self.preset.loss_names():
             lrs[loss] = self.best_lr(scenario, loss, steps, grid)
-            if self.preset.plateau_check:  # twice the budget, first seed: the plateau shown
-                self.arm(HeadsArm(scenario, loss, lrs[loss], self.preset.seeds[0], 2 * steps))
-            for seed in self.preset.seeds:
-                arm = HeadsArm(scenario, loss, lrs[loss], seed, steps)
+            budget = steps
+            if self.preset.plateau_check:
+                budget = self.plateau_budget(scenario, loss, lrs[loss], steps)
+            self.budgets[(scenario, loss)] = budget
+            for seed in seeds if seeds is not None else self.preset.seeds:
+                arm = HeadsArm(scenario, loss, lrs[loss], seed, budget)
                 self.arm(arm)
                 self.test_part(arm)
         return lrs
+
+    def plateau_budget(self, scenario: str, loss: str, lr: float, steps: int) -> int:
+        """The first budget from ``steps`` on whose double raises the first seed's validation
+        tau (``1 +`` accepted drafts, T=1) by under ``plateau_gain``, doubling at most
+        ``max_doublings`` times (the last budget tried if none does: the report says so)."""
+        seed = self.preset.seeds[0]
+        for _ in range(self.preset.max_doublings):
+            short, long = (self.arm(HeadsArm(scenario, loss, lr, seed, n))
+                           for n in (steps, 2 * steps))
+            if tau_gain(short, long) < self.preset.plateau_gain:
+                return steps
+            steps *= 2
+        return steps
 
     # ------------------------------------------------------------------ drift
 
     def official_arm(self) -> HeadsArm:
         return HeadsArm('cold', 'ce', self.cold_lrs['ce'], self.preset.seeds[0],
-                        self.preset.cold_steps)
+                        self.budgets[('cold', 'ce')])
 
     def official_key(self) -> Dict:
         return self.arm_key(self.official_arm())

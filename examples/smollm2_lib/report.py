@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence
 from cpu_demo_lib.report import (RESOLVED_AT, mean_of, pyplot, save_figure, seed_difference,
                                  standard_error)
 
-from .experiment import Preset, Store, depth_one_losses, part_name, point_at
+from .experiment import Preset, Store, chained_losses, part_name, point_at, tau_gain
 
 MODES = {'T=1': 'spec_sampled', 'greedy': 'spec_greedy'}
 ESTIMATORS = {'counted': 'per_prompt', 'rao_blackwell': 'per_prompt_rao_blackwell'}
@@ -84,7 +84,7 @@ def headline_rows(parts: Dict[str, Dict], scenario: str, seeds: Sequence[int],
     """Every loss's test results at its chosen rate, compared with ``baseline``'s."""
     reference = _tests(parts, scenario, baseline, seeds)
     rows = []
-    for loss in depth_one_losses():
+    for loss in chained_losses():
         records = _tests(parts, scenario, loss, seeds)
         if records:
             rows.append(arm_row(loss, records, reference if loss != baseline else None))
@@ -107,15 +107,16 @@ def versus_leader(parts: Dict[str, Dict], scenario: str, seeds: Sequence[int],
 
 def sensitivity(parts: Dict[str, Dict], scenario: str, seed: int) -> Dict[str, Dict]:
     """Per loss: whole-validation accepted drafts (T=1) at the last step for every rate of the
-    grid on ``seed`` (at the largest budget that arm ran), the best rate, the rate the curve
-    windows would have picked at a third of the budget, and each arm's plateau gain."""
+    grid on ``seed`` (at the grid's budget, the smallest: plateau arms run longer), the best
+    rate, the rate the curve windows would have picked at a third of the budget, and each arm's
+    plateau gain."""
     out = {}
-    for loss in depth_one_losses():
+    for loss in chained_losses():
         arms = [r for n, r in parts.items() if n.startswith(f'{scenario}_{loss}_lr')
                 and r.get('seed') == seed and 'curve' in r]
         if not arms:
             continue
-        steps = max(r['steps'] for r in arms)
+        steps = min(r['steps'] for r in arms)
         arms = [r for r in arms if r['steps'] == steps]
         score = {r['lr']: r['validation']['sampled']['accepted'] for r in arms}
         third = {r['lr']: point_at(r['curve']['validation'], steps / 3)['sampled']['accepted']
@@ -125,6 +126,22 @@ def sensitivity(parts: Dict[str, Dict], scenario: str, seed: int) -> Dict[str, D
                      'plateau_gain': {r['lr']: r['plateau_gain'] for r in arms},
                      'spread': max(score.values()) - min(score.values())}
     return out
+
+
+def plateau_rows(parts: Dict[str, Dict], scenario: str, seed: int) -> List[Dict]:
+    """Every budget doubling on ``seed`` (an arm and the same arm at twice its steps): the
+    validation tau (T=1) of both and the relative gain, the plateau rule's evidence."""
+    arms = {(r['loss'], r['lr'], r['steps']): r for n, r in parts.items()
+            if n.startswith(f'{scenario}_') and r.get('seed') == seed and 'curve' in r}
+    rows = []
+    for (loss, lr, steps), short in sorted(arms.items()):
+        long = arms.get((loss, lr, 2 * steps))
+        if long is not None:
+            rows.append({'loss': loss, 'lr': lr, 'steps': steps,
+                         'tau': 1 + short['validation']['sampled']['accepted'],
+                         'tau_doubled': 1 + long['validation']['sampled']['accepted'],
+                         'gain': tau_gain(short, long)})
+    return rows
 
 
 def recovery(parts: Dict[str, Dict], seeds: Sequence[int]) -> Dict:
@@ -138,7 +155,7 @@ def recovery(parts: Dict[str, Dict], seeds: Sequence[int]) -> Dict:
         return {}
     goal = before['curve_validation']['sampled']['alpha'][0]
     out = {'goal': goal, 'losses': {}}
-    for loss in depth_one_losses():
+    for loss in chained_losses():
         per_seed = []
         for t in _tests(parts, 'heal', loss, seeds):
             arm = parts.get(_arm_name('heal', t))
@@ -185,7 +202,7 @@ def joint_rows(parts: Dict[str, Dict], seeds: Sequence[int]) -> List[Dict]:
 
     rows = []
     moved = parts.get('drift_after')
-    for loss in depth_one_losses():
+    for loss in chained_losses():
         recs = records(loss)
         if not recs:
             continue
@@ -242,6 +259,7 @@ def summarize(parts: Dict[str, Dict], preset: Preset) -> Dict:
         'cold': cold,
         'cold_vs_leader': versus_leader(parts, 'cold', seeds, cold),
         'cold_sensitivity': sensitivity(parts, 'cold', seeds[0]),
+        'cold_plateau': plateau_rows(parts, 'cold', seeds[0]),
         'cold_init': parts.get('cold_init', {}).get('validation'),
         'drift': drift_summary(parts),
         'heal': heal,
@@ -315,6 +333,15 @@ def sensitivity_table(sens: Dict[str, Dict]) -> str:
     return '\n'.join(lines)
 
 
+def plateau_table(rows: List[Dict], threshold: float) -> str:
+    lines = ['| loss | lr | steps N | tau at N | tau at 2N | gain | plateau at N? |',
+             '|---|---|---|---|---|---|---|']
+    lines += [f"| `{r['loss']}` | {r['lr']:g} | {r['steps']} | {r['tau']:.3f} | "
+              f"{r['tau_doubled']:.3f} | {100 * r['gain']:+.1f}% | "
+              f"{'yes' if r['gain'] < threshold else 'no'} |" for r in rows]
+    return '\n'.join(lines)
+
+
 def _leader_section(versus: Dict) -> List[str]:
     if not versus:
         return []
@@ -336,12 +363,18 @@ def render(summary: Dict, preset: Preset) -> str:
         out += [f"**Incomplete**: not yet run: {_pending_line(summary['pending'])}. "
                 f"The tables hold what has landed; the same command resumes the run.", '']
     if summary['cold_sensitivity']:
-        out += ['## Cold start: fresh one-depth heads on the pretrained model, code', '',
+        depths = 'one-depth' if preset.depths == 1 else f'{preset.depths}-depth'
+        out += [f'## Cold start: fresh {depths} heads on the pretrained model, code', '',
                 f'Learning rates, seed {preset.seeds[0]}: whole-validation accepted drafts at '
                 f'T=1 at the last step (best in bold); the rate the curve windows would pick at a '
                 f'third of the budget; the best arm\'s gain over the last quarter (plateau: '
                 f'under {100 * preset.plateau_gain:g}%).', '',
                 sensitivity_table(summary['cold_sensitivity']), '']
+    if summary['cold_plateau']:
+        out += [f'Plateau, seed {preset.seeds[0]}: validation tau (1 + accepted drafts, T=1) '
+                f'at a budget and at twice it (a plateau: the double gains under '
+                f'{100 * preset.plateau_gain:g}%).', '', plateau_table(summary['cold_plateau'], preset.plateau_gain),
+                '']
     if summary['cold']:
         out += ['Test, each loss at its best rate:', '', table(summary['cold']), '']
     out += _leader_section(summary['cold_vs_leader'])
