@@ -54,6 +54,7 @@ __all__ = [
     "causal_attention_mask",
     "packed_causal_attention_mask",
     "quiet_megatron_warnings",
+    "no_te_shims",
 ]
 
 _LOCK = threading.Lock()
@@ -266,3 +267,38 @@ def allreduce_sequence_parallel_grads(model: torch.nn.Module, tp_group=None) -> 
     for tensor, reduced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
         tensor.copy_(reduced)
     return len(tensors)
+
+
+def no_te_shims() -> list:
+    """Work around upstream code that assumes Transformer Engine, in this process only.
+
+    NVIDIA main (d98e8a64d) builds every MTP layer through ``is_inference_column_parallel_linear``,
+    whose ``isinstance`` check gets the ``MagicMock`` placeholders that stand in for the
+    inference layer classes without Transformer Engine and raises ``TypeError``: the check is
+    narrowed to the classes that exist (without TE no layer can be one of them). Applied alike
+    to the patched and the pristine tree; returns the names it replaced.
+    """
+    applied = []
+    try:
+        from megatron.core.tensor_parallel import inference_layers
+    except ImportError:
+        return applied
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    classes = tuple(
+        getattr(inference_layers, n, None)
+        for n in ('InferenceColumnParallelLinear', 'InferenceLayerNormColumnParallelLinear')
+    )
+    if hasattr(inference_layers, 'is_inference_column_parallel_linear') and not all(
+        isinstance(c, type) for c in classes
+    ):
+        real = tuple(c for c in classes if isinstance(c, type))
+
+        def is_inference_column_parallel_linear(module) -> bool:
+            return bool(real) and isinstance(module, real)
+
+        for module in (inference_layers, mtp):
+            if hasattr(module, 'is_inference_column_parallel_linear'):
+                module.is_inference_column_parallel_linear = is_inference_column_parallel_linear
+                applied.append(f'{module.__name__}.is_inference_column_parallel_linear')
+    return applied

@@ -44,6 +44,10 @@ def _share_the_cores() -> None:
 
 _share_the_cores()
 
+#: The unit tests the patches ship (Megatron-LM's style, its ``tests.unit_tests`` package): they
+#: run in a patched tree, by tools/run_upstream_tests.py, not in this suite.
+collect_ignore = ['megatron_unit_tests']
+
 # MTP_TV_MODE=patch (tools/run_patched_suite.py): megatron.mtp_tv is the patched tree's copy.
 import patch_mode  # noqa: E402
 from patch_mode import pytest_collection_modifyitems, pytest_configure  # noqa: E402,F401

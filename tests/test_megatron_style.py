@@ -17,11 +17,11 @@ pytest.importorskip('isort', reason="Megatron-LM's isort (requirements.txt)")
 
 
 def test_shipped_modules_follow_megatron_style():
-    from patchgen.package import new_files
+    from patchgen.package import new_files, shipped_tests
 
     from tools.megatron_style import problems
 
-    found = problems(new_files())
+    found = problems({**new_files(), **shipped_tests()})
     assert not found, '\n'.join(found)
 
 

@@ -497,4 +497,7 @@ def test_every_patch_has_its_pull_request_description_up_to_date(name):
     added = sum(1 for line in target.patch_path.read_text().split('\n')
                 if line.startswith('+') and not line.startswith('+++ '))
     counted = [int(n) for n in re.findall(r'\| \+(\d+) \|', text)]  # the files (the total is bold)
-    assert sum(counted) + int(re.search(r'New files \(\d+, (\d+) lines\)', text).group(1)) == added
+    tests = [int(n) for n in re.findall(r'`tests/unit_tests/[\w/]+\.py` \((\d+) lines\)', text)]
+    assert bool(tests) == (not target.facts.inline_gpt_loss)  # shipped where they can run
+    assert sum(counted) + int(re.search(r'New files \(\d+, (\d+) lines\)', text).group(1)) + sum(
+        tests) == added

@@ -11,7 +11,9 @@ Steps: take the registry wheel of megatron-core 0.19.2 (cached in $MTP_TV_CACHE 
 files; --fresh builds a throw-away one), and run pytest with ``MTP_TV_MODE=patch`` and the tree first
 on ``PYTHONPATH``: ``mtp_tv_dev/patch_mode.py`` then makes every ``megatron.mtp_tv`` import resolve to the
 tree's ``megatron.core.transformer.mtp_tv`` and skips the plugin's ``install()``, so what is tested
-is the patched tree alone (the start-up hook is switched off too). Exit status: pytest's.
+is the patched tree alone (the start-up hook is switched off too). With the default test files it
+then runs the unit tests the patch ships, in the tree (``tools/run_upstream_tests.py``). Exit
+status: pytest's, else theirs.
 """
 
 import argparse
@@ -125,13 +127,24 @@ def main() -> int:
     env['MTP_TV_TREE'] = str(tree)
     env['PYTHONPATH'] = os.pathsep.join([str(tree)] + [p for p in [env.get('PYTHONPATH')] if p])
     selection = [a for a in args.pytest_args if not a.startswith('-')]
-    if not selection:  # only options given: keep the default test files
+    whole_stage = not selection
+    if whole_stage:  # only options given: keep the default test files
         selection = [t for t in PATCH_MODE_TESTS if (REPO / t).exists()]
     options = [a for a in args.pytest_args if a.startswith('-')]
     cmd = [sys.executable, '-m', 'pytest', '-q', '-ra', '-p', 'no:cacheprovider', *options,
            *selection]
     try:
-        return subprocess.run(cmd, cwd=REPO, env=env).returncode
+        status = subprocess.run(cmd, cwd=REPO, env=env).returncode
+        if whole_stage:  # and the unit tests the patch ships, in the tree, on two gloo ranks
+            from run_upstream_tests import TEST_FILE, run
+
+            start = time.time()
+            upstream = run(tree, quiet=True)
+            print(f'{TEST_FILE} in the patched tree, 2 ranks: '
+                  f'{"passed" if upstream == 0 else "FAILED"} ({time.time() - start:.0f}s)',
+                  flush=True)
+            status = status or upstream
+        return status
     finally:
         if tmp is not None:
             tmp.cleanup()

@@ -30,7 +30,10 @@ see mtp_tv_dev/patch_mode.py; only the CPU test support comes from this checkout
    to ``'ce'``.
 
 Upstream code that assumes Transformer Engine is worked around in these processes only, alike
-on the patched and the pristine tree (:func:`_no_te_shims`; reported as ``no_te_shims``).
+on the patched and the pristine tree (``mtp_tv_dev.cpu.no_te_shims``; reported as ``no_te_shims``).
+
+4. the unit tests the patch ships, where it ships them (``tools/run_upstream_tests.py``: two
+   gloo ranks).
 
 With ``--pristine <unpatched checkout of the same commit>``, also: one ``'ce'`` training step gives
 bit-identical losses and gradients on the patched and the pristine tree.
@@ -46,41 +49,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _no_te_shims() -> list:
-    """Work around upstream code that assumes Transformer Engine, in this process only.
-
-    NVIDIA main (d98e8a64d) builds every MTP layer through ``is_inference_column_parallel_linear``,
-    whose ``isinstance`` check gets the ``MagicMock`` placeholders that stand in for the
-    inference layer classes without Transformer Engine and raises ``TypeError``: the check is
-    narrowed to the classes that exist (without TE no layer can be one of them). Applied alike
-    to the patched and the pristine tree; returns the names it replaced.
-    """
-    applied = []
-    try:
-        from megatron.core.tensor_parallel import inference_layers
-    except ImportError:
-        return applied
-    from megatron.core.transformer import multi_token_prediction as mtp
-
-    classes = tuple(
-        getattr(inference_layers, n, None)
-        for n in ('InferenceColumnParallelLinear', 'InferenceLayerNormColumnParallelLinear')
-    )
-    if hasattr(inference_layers, 'is_inference_column_parallel_linear') and not all(
-        isinstance(c, type) for c in classes
-    ):
-        real = tuple(c for c in classes if isinstance(c, type))
-
-        def is_inference_column_parallel_linear(module) -> bool:
-            return bool(real) and isinstance(module, real)
-
-        for module in (inference_layers, mtp):
-            if hasattr(module, 'is_inference_column_parallel_linear'):
-                module.is_inference_column_parallel_linear = is_inference_column_parallel_linear
-                applied.append(f'{module.__name__}.is_inference_column_parallel_linear')
-    return applied
+sys.path.insert(0, str(REPO / 'tools'))
+from run_upstream_tests import TEST_FILE as UPSTREAM_TEST_FILE  # noqa: E402
+from run_upstream_tests import run as run_upstream_tests  # noqa: E402
 
 
 def _child(tree: Path) -> dict:
@@ -88,6 +59,8 @@ def _child(tree: Path) -> dict:
     from mtp_tv_dev import patch_mode
 
     patch_mode.activate()
+    from mtp_tv_dev.cpu import no_te_shims
+
     results = {}
     import torch
 
@@ -113,7 +86,7 @@ def _child(tree: Path) -> dict:
         pass
     results['config_fields'] = 'ok'
 
-    results['no_te_shims'] = _no_te_shims() or 'none needed'
+    results['no_te_shims'] = no_te_shims() or 'none needed'
     results['packaging'] = _check_packaging(tree)
     results['main_logits'] = _check_main_logits()
     results['cli'] = _check_cli()
@@ -384,7 +357,9 @@ def _ce_fingerprint(patched: bool) -> dict:
         from mtp_tv_dev import patch_mode
 
         patch_mode.activate()
-    _no_te_shims()
+    from mtp_tv_dev.cpu import no_te_shims
+
+    no_te_shims()
     from megatron.core.models.gpt import gpt_model
     from megatron.core.models.gpt.gpt_model import GPTModel
     from mtp_tv_dev.cpu import causal_attention_mask
@@ -471,6 +446,12 @@ def main() -> int:
         result['ce_bit_identical_to_pristine'] = same
         if not same:
             print(f'FAILED: mtp_loss_type=ce differs from {args.pristine}', file=sys.stderr)
+            return 1
+    if (tree / UPSTREAM_TEST_FILE).exists():  # the unit tests the patch ships, on 2 ranks
+        status = run_upstream_tests(tree, quiet=True)
+        result['unit_tests'] = 'passed' if status == 0 else f'FAILED (exit {status})'
+        if status:
+            print(f'FAILED: {UPSTREAM_TEST_FILE} on {tree}', file=sys.stderr)
             return 1
     if args.json:
         print(json.dumps(result, indent=2))

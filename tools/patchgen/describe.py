@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 from .layout import REPO, TOUCHED, PatchError
-from .package import PACKAGE_DIR, field_names
+from .package import PACKAGE_DIR, UPSTREAM_TESTS_PATH, field_names
 from .targets import Target
 
 BENCHMARKS = REPO / 'docs' / 'benchmarks.md'
@@ -97,11 +97,41 @@ def _tree_edits(target: Target) -> List[str]:
     ]
 
 
+def _tests_section(tests: List[str], stats: Dict[str, Tuple[bool, int, int]]) -> List[str]:
+    if tests:
+        shipped = [
+            ', '.join(f'`{p}` ({stats[p][1]} lines)' for p in tests) + ', in Megatron\'s style '
+            '(`Utils.initialize_model_parallel`, run by torchrun): through `process_mtp_loss`, '
+            "every loss and `'ce'` with `mtp_ce_chunked` against a float64 reference written "
+            'from the equations (loss, draft-row and output-weight gradients, the logged '
+            "per-depth values), `'ce'` running Megatron's own code, the fused weight gradient "
+            "(`main_grad`), a `GPTModel` with a repeated MTP layer, and on two ranks TP=2 "
+            'vocabulary-parallel and CP=2 zigzag, unpacked and packed. The Triton cases are '
+            'marked CUDA-only; the rest runs on CPU with gloo '
+            '(`tools/run_upstream_tests.py` in the megatron-mtp-tv repository).',
+        ]
+    else:
+        shipped = [
+            "None ship with this patch: this tree computes the MTP loss inline in "
+            '`GPTModel._postprocess`, and the unit tests drive `process_mtp_loss`; '
+            '`tools/verify_patched_tree.py` checks the patched tree on CPU.',
+        ]
+    return shipped + [
+        '',
+        'The megatron-mtp-tv repository holds the rest (`make test`, CPU, gloo), in plugin mode '
+        'and against megatron-core 0.19.2 patched with this generator: CP contiguous, TP x CP, '
+        'pipeline parallel, gradient-accumulation fusion with DDP and the distributed '
+        'optimizer, bf16/fp16 precision, the argument guard. Not yet run on a GPU.',
+    ]
+
+
 def render_description(target: Target, patch_text: str) -> str:
     """The pull-request description of ``target``'s patch."""
     stats = _file_stats(patch_text)
     touched = [p for p in TOUCHED if p in stats]
-    new = sorted(p for p, (is_new, _, _) in stats.items() if is_new)
+    created = sorted(p for p, (is_new, _, _) in stats.items() if is_new)
+    tests = [p for p in created if p.startswith(UPSTREAM_TESTS_PATH + '/')]
+    new = [p for p in created if p not in tests]
     added_megatron = sum(stats[p][1] for p in touched)
     removed_megatron = sum(stats[p][2] for p in touched)
     new_lines = sum(stats[p][1] for p in new)
@@ -162,13 +192,7 @@ def render_description(target: Target, patch_text: str) -> str:
         '',
         '## Tests',
         '',
-        'The tests live in the megatron-mtp-tv repository (`make test`, CPU, gloo): every loss '
-        'against a float64 reference written from the equations (full vocabulary, unchunked), '
-        "`'ce'` bit-identical to Megatron's, TP=2 vocabulary-parallel, CP zigzag, contiguous and "
-        'packed, repeated layers, gradient-accumulation fusion with DDP and the distributed '
-        'optimizer, the argument guard; run in plugin mode and against megatron-core 0.19.2 '
-        'patched with this generator. Tests under `tests/unit_tests/` in Megatron\'s own style '
-        'are not part of this patch yet.',
+        *_tests_section(tests, stats),
         '',
         '## Measured (CPU, fp32, against MTP cross-entropy in the same run)',
         '',

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 
 from .facts import fact_problems
 from .layout import TARGET_PACKAGE, PatchError
-from .package import new_files
+from .package import patch_files
 from .render import new_file_diff, render_header
 from .snippets import expected_changes, expected_edits
 from .targets import Target
@@ -57,7 +57,7 @@ def check_offline(target: Target, text: str) -> List[str]:
         problems.append('the header (text before the first diff) differs from what the generator '
                         'renders now')
     files = parse_patch(text)
-    shipped = new_files()
+    shipped = patch_files(target.facts)
     in_patch = {p for p, d in files.items() if d.new_file or p.startswith(TARGET_PACKAGE + '/')}
     for p in sorted(set(shipped) ^ in_patch):
         problems.append(f'{p}: {"missing from" if p in shipped else "no longer in"} the package')
@@ -101,7 +101,7 @@ def regenerate_offline(target: Target, text: str) -> str:
         if path not in edits:
             raise PatchError(f'{target.name}: unexpected file {path} in the patch')
         out.append(_rerender_hunks(target.name, path, sec, edits[path]))
-    for path, text_ in sorted(new_files().items()):
+    for path, text_ in sorted(patch_files(target.facts).items()):
         out.append(new_file_diff(path, text_))
     new = ''.join(out)
     problems = check_offline(target, new)

@@ -26,6 +26,10 @@ TRAINING_SIDE = {'training_args.py': TRAINING_MODULE_FILE}
 #: ``megatron/core/fusions`` as ``fused_*`` modules. The package's relative imports of them are
 #: rewritten to the tree's path (:func:`_relocated_imports`).
 RELOCATED = {'triton_kernels.py': 'megatron/core/fusions/fused_mtp_tv_rows.py'}
+#: The tests a patch ships, in Megatron-LM's own style: this folder's files go to the tree's
+#: ``tests/unit_tests/`` (tools/run_upstream_tests.py runs them there).
+UPSTREAM_TESTS_DIR = REPO / 'tests' / 'megatron_unit_tests'
+UPSTREAM_TESTS_PATH = 'tests/unit_tests'
 
 
 def shipped_modules() -> Dict[str, str]:
@@ -50,9 +54,25 @@ def _without_plugin_only(text: str, rel: str) -> str:
     return re.sub(r'\n*^# BEGIN PLUGIN ONLY.*?^# END PLUGIN ONLY\n', '\n', text, flags=re.S | re.M)
 
 
+def shipped_tests() -> Dict[str, str]:
+    """``{path in the patched tree: source}`` of the unit tests a patch ships."""
+    return {
+        f'{UPSTREAM_TESTS_PATH}/{path.relative_to(UPSTREAM_TESTS_DIR).as_posix()}': path.read_text()
+        for path in sorted(UPSTREAM_TESTS_DIR.rglob('test_*.py'))
+    }
+
+
+def patch_files(facts) -> Dict[str, str]:
+    """``{path in the patched tree: source}`` of every file the patch of a tree with ``facts``
+    creates: :func:`new_files`, and the unit tests where the tree's ``GPTModel`` computes its MTP
+    loss in ``process_mtp_loss``, the function they drive (not radixark's older miles-main
+    trees, whose loss is inline in ``GPTModel._postprocess``)."""
+    return {**new_files(), **({} if facts.inline_gpt_loss else shipped_tests())}
+
+
 def new_files() -> Dict[str, str]:
-    """``{path in the patched tree: source}`` of every file a patch creates: the shipped modules
-    under the core's package, and the training side's modules."""
+    """``{path in the patched tree: source}`` of the modules every patch creates: the shipped
+    modules under the core's package and the training side's modules."""
     out = {}
     for rel, text in shipped_modules().items():
         out[RELOCATED.get(rel, f'{TARGET_PACKAGE}/{rel}')] = _relocated_imports(rel, text)

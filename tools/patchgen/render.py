@@ -8,7 +8,7 @@ from typing import Dict
 from .edits import megatron_edits
 from .facts import check_facts, derive_facts
 from .layout import TARGET_PACKAGE, TOUCHED, PatchError
-from .package import field_names, new_files
+from .package import field_names, patch_files
 from .sources import files_sha
 from .targets import Target
 
@@ -63,6 +63,6 @@ def render_patch(target: Target, files: Dict[str, str]) -> str:
     parts = [render_header(target)]
     for path in TOUCHED:
         parts.append(edits[path].diff(path))
-    for path, text in sorted(new_files().items()):
+    for path, text in sorted(patch_files(target.facts).items()):
         parts.append(new_file_diff(path, text))
     return ''.join(parts)
